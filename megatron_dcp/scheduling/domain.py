@@ -1,0 +1,161 @@
+"""The DP×CP domain: its size, the CP groups that exist in it, and the CP degree rule."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Optional, Tuple
+
+BUDGET_FLAG = "--max-seqlen-per-dp-cp-rank"
+MIN_CP_FLAG = "--min-dynamic-context-parallel-size"
+
+
+def is_power_of_two(value: int) -> bool:
+    """True for 1, 2, 4, ...; False for zero and negatives."""
+    return value > 0 and value & (value - 1) == 0
+
+
+def largest_power_of_two_at_most(value: int) -> int:
+    """The largest power of two that is ≤ ``value`` (``value`` ≥ 1)."""
+    return 1 << (value.bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class Block:
+    """An aligned block of positions ``[start, start + size)``: the footprint of one CP group."""
+
+    start: int
+    size: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size
+
+    @property
+    def positions(self) -> Tuple[int, ...]:
+        return tuple(range(self.start, self.stop))
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The DP×CP ranks (size ``N = dp_size * cp_size``) and the DCP settings that shape plans.
+
+    CP groups exist for every power of two ``s`` with ``min_cp_size ≤ s ≤ N`` (one per aligned block
+    ``[j·s, (j+1)·s)`` that fits in the domain) and for the whole domain (size ``N``, which need not
+    be a power of two). Any N ≥ 1 is supported; for N that is not a multiple of ``min_cp_size`` only
+    the whole-domain group can partition the domain.
+    """
+
+    dp_size: int
+    cp_size: int
+    max_seqlen_per_dp_cp_rank: int
+    min_cp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in (("dp_size", self.dp_size), ("cp_size", self.cp_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer.")
+        budget = self.max_seqlen_per_dp_cp_rank
+        if not isinstance(budget, int) or budget <= 0:
+            raise ValueError(
+                f"{BUDGET_FLAG}={budget!r}: the per-rank token budget must be a positive integer; "
+                f"set it to the most tokens one rank may hold in a micro-batch (e.g. 4096)."
+            )
+        if not is_power_of_two(self.min_cp_size) or self.min_cp_size > self.size:
+            raise ValueError(
+                f"{MIN_CP_FLAG}={self.min_cp_size!r}: must be a power of two between 1 and the "
+                f"DP×CP domain size {self.size} (dp {self.dp_size} × cp {self.cp_size}); "
+                f"use 1, 2, 4, ... up to {largest_power_of_two_at_most(self.size)}."
+            )
+
+    @property
+    def size(self) -> int:
+        """N, the number of positions (DP×CP ranks)."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def budget(self) -> int:
+        return self.max_seqlen_per_dp_cp_rank
+
+    @cached_property
+    def group_sizes(self) -> Tuple[int, ...]:
+        """Sizes for which CP groups exist, ascending."""
+        sizes = []
+        size = self.min_cp_size
+        while size <= self.size:
+            sizes.append(size)
+            size *= 2
+        if self.size not in sizes:
+            sizes.append(self.size)
+        return tuple(sizes)
+
+    @cached_property
+    def max_tokens_per_sequence(self) -> int:
+        return self.size * self.budget
+
+    def is_group_block(self, block: Block) -> bool:
+        """True when a CP group (a communicator) exists for exactly this block."""
+        if block.size == self.size:
+            return block.start == 0
+        return (
+            block.size in self.group_sizes
+            and is_power_of_two(block.size)
+            and block.start % block.size == 0
+            and 0 <= block.start
+            and block.stop <= self.size
+        )
+
+    def cp_degree(self, seqlen: int) -> int:
+        """Smallest group size ≥ ``min_cp_size`` whose per-rank share of ``seqlen`` fits the budget."""
+        for size in self.group_sizes:
+            if seqlen <= size * self.budget:
+                return size
+        raise self.too_long_error(seqlen)
+
+    def too_long_error(self, seqlen: int, sample_id: Optional[int] = None) -> ValueError:
+        which = f"sample {sample_id} has" if sample_id is not None else "a sequence has"
+        return ValueError(
+            f"{BUDGET_FLAG}={self.budget}: {which} {seqlen} tokens, more than the whole DP×CP "
+            f"domain can hold ({self.size} ranks × {self.budget} = {self.max_tokens_per_sequence}). "
+            f"Raise {BUDGET_FLAG} to at least {-(-seqlen // self.size)}, use more DP×CP ranks, "
+            f"or truncate sequences (--seq-length)."
+        )
+
+    def root(self) -> Block:
+        return Block(0, self.size)
+
+    def children(self, block: Block) -> Tuple[Block, ...]:
+        """The blocks a group may be split into: halves of a power-of-two block, and the binary
+        decomposition (largest power of two first) of a non-power-of-two domain. Empty when the
+        pieces would be smaller than ``min_cp_size``."""
+        if is_power_of_two(block.size):
+            half = block.size // 2
+            parts = [Block(block.start, half), Block(block.start + half, half)] if half else []
+        else:
+            parts, start, rest = [], block.start, block.size
+            while rest:
+                part = largest_power_of_two_at_most(rest)
+                parts.append(Block(start, part))
+                start, rest = start + part, rest - part
+        if any(part.size < self.min_cp_size for part in parts):
+            return ()
+        return tuple(parts)
+
+    def check_seqlens(self, seqlens: Iterable[int]) -> Tuple[int, ...]:
+        """Validate user lengths: non-negative ints that fit the domain. Returns them as a tuple."""
+        lengths = []
+        for sample_id, seqlen in enumerate(seqlens):
+            try:
+                value = operator.index(seqlen)
+            except TypeError:
+                value = -1
+            if value < 0 or isinstance(seqlen, bool):
+                raise ValueError(
+                    f"seqlens[{sample_id}]={seqlen!r}: sequence lengths must be non-negative "
+                    f"integers (token counts); check the dataset's sample lengths."
+                )
+            if value > self.max_tokens_per_sequence:
+                raise self.too_long_error(value, sample_id)
+            lengths.append(value)
+        return tuple(lengths)

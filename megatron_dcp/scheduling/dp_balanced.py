@@ -1,0 +1,65 @@
+"""``dp_balanced``: the static-CP baseline. Every group is a fixed CP block of size ``cp_size``."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partition
+from megatron_dcp.scheduling.domain import Block
+from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
+from megatron_dcp.scheduling.plan import MicroBatch
+from megatron_dcp.scheduling.registry import Scheduler
+
+
+class DPBalancedScheduler(Scheduler, name="dp_balanced"):
+    """Packs sequences into bins of ``budget × cp_size`` tokens balanced by cost, spread over DP."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cp_block = Block(0, self.domain.cp_size)
+        if not self.domain.is_group_block(cp_block):
+            raise ValueError(
+                f"--context-parallel-size={self.domain.cp_size}: dp_balanced needs a CP group of "
+                f"exactly cp_size ranks, which requires a power of two ≥ "
+                f"--min-dynamic-context-parallel-size={self.domain.min_cp_size} (or dp_size 1)."
+            )
+
+    def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
+        dp, cp = self.domain.dp_size, self.domain.cp_size
+        items = [Item(i, seqlen, cp) for i, seqlen in enumerate(seqlens)]
+        self._check_fits(items)
+        capacity = cp * self.domain.budget
+        count = align_microbatch_count(-(-sum(seqlens) // (capacity * dp)), self._vpp)
+        while count * dp <= len(items):
+            bins = lpt_partition(items, count * dp, capacity, self._weight)
+            if bins is not None and all(bins):
+                return [self._microbatch(bins[m * dp : (m + 1) * dp]) for m in range(count)]
+            count = align_microbatch_count(count + 1, self._vpp)
+        raise ValueError(
+            f"dp_balanced: {len(items)} samples cannot fill {dp} DP ranks in every micro-batch "
+            f"(static CP leaves ranks idle); use a larger --global-batch-size or default_dynamic_cp."
+        )
+
+    @property
+    def _vpp(self) -> Optional[int]:
+        return self.microbatch_group_size_per_vp_stage
+
+    def _weight(self, item: Item) -> float:
+        return self.cost_model.per_rank(item.seqlen, self.domain.cp_size)
+
+    def _check_fits(self, items: Sequence[Item]) -> None:
+        limit = self.domain.cp_size * self.domain.budget
+        for item in items:
+            if item.seqlen > limit:
+                raise ValueError(
+                    f"--max-seqlen-per-dp-cp-rank={self.domain.budget}: sample {item.sample_id} has "
+                    f"{item.seqlen} tokens, more than static CP{self.domain.cp_size} holds ({limit}); "
+                    f"raise the budget or use --sequence-packing-scheduler default_dynamic_cp."
+                )
+
+    def _microbatch(self, bins: Sequence[Sequence[Item]]) -> MicroBatch:
+        cp = self.domain.cp_size
+        groups = [
+            group_of_items(Block(d * cp, cp), items, self.cost_model) for d, items in enumerate(bins)
+        ]
+        return freeze_microbatch(groups)

@@ -1,0 +1,74 @@
+"""Mutable working state of a scheduler: groups and micro-batches under construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.domain import Block
+from megatron_dcp.scheduling.plan import CPGroup, MicroBatch
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sample as the scheduler sees it."""
+
+    sample_id: int
+    seqlen: int
+    min_cp: int
+
+
+@dataclass(eq=False)
+class GroupDraft:
+    """A CP group being filled: its block, its samples, per-rank load and token count."""
+
+    block: Block
+    items: List[Item] = field(default_factory=list)
+    load: float = 0.0
+    tokens: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.block.size
+
+    def fits(self, item: Item, budget: int) -> bool:
+        return item.min_cp <= self.size and self.tokens + item.seqlen <= self.size * budget
+
+    def add(self, item: Item, cost: CostModel) -> None:
+        self.items.append(item)
+        self.load += cost.per_rank(item.seqlen, self.size)
+        self.tokens += item.seqlen
+
+    def remove(self, item: Item, cost: CostModel) -> None:
+        self.items.remove(item)
+        self.load -= cost.per_rank(item.seqlen, self.size)
+        self.tokens -= item.seqlen
+        if not self.items:
+            self.load, self.tokens = 0.0, 0
+
+    def load_with(self, item: Item, cost: CostModel) -> float:
+        return self.load + cost.per_rank(item.seqlen, self.size)
+
+    def load_without(self, item: Item, cost: CostModel) -> float:
+        return self.load - cost.per_rank(item.seqlen, self.size) if len(self.items) > 1 else 0.0
+
+    def freeze(self) -> CPGroup:
+        ids = tuple(item.sample_id for item in self.items)
+        return CPGroup(self.block.positions, ids)
+
+
+def group_of_items(block: Block, items: Sequence[Item], cost: CostModel) -> GroupDraft:
+    group = GroupDraft(block)
+    for item in items:
+        group.add(item, cost)
+    return group
+
+
+def freeze_microbatch(groups: Sequence[GroupDraft]) -> MicroBatch:
+    """Freeze a micro-batch; groups ordered by position, samples longest first (deterministic)."""
+    frozen = []
+    for group in sorted(groups, key=lambda g: g.block.start):
+        group.items.sort(key=lambda item: (-item.seqlen, item.sample_id))
+        frozen.append(group.freeze())
+    return MicroBatch(tuple(frozen))

@@ -1,0 +1,113 @@
+"""Plan types: frozen dataclasses describing the schedule of one global batch, and their invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from megatron_dcp.scheduling.domain import Block, Domain
+
+
+class InvalidPlanError(ValueError):
+    """A plan violates one of the invariants listed in DESIGN.md."""
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """One CP group of a micro-batch: the positions it spans and the samples it packs, in order."""
+
+    ranks: Tuple[int, ...]
+    sample_ids: Tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def block(self) -> Block:
+        return Block(self.ranks[0], len(self.ranks))
+
+    def tokens_per_rank(self, seqlens: Tuple[int, ...]) -> float:
+        return sum(seqlens[i] for i in self.sample_ids) / self.size
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One slot of the plan; its CP groups partition the domain."""
+
+    groups: Tuple[CPGroup, ...]
+
+    def group_of(self, position: int) -> CPGroup:
+        for group in self.groups:
+            if group.ranks[0] <= position <= group.ranks[-1]:
+                return group
+        raise KeyError(position)
+
+    @property
+    def sample_ids(self) -> Tuple[int, ...]:
+        return tuple(i for group in self.groups for i in group.sample_ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The schedule of one global batch: micro-batches over a domain for the given lengths."""
+
+    seqlens: Tuple[int, ...]
+    domain: Domain
+    microbatches: Tuple[MicroBatch, ...]
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    def cp_size_histogram(self) -> Dict[int, int]:
+        """Number of samples run at each CP size."""
+        counts = Counter(g.size for mb in self.microbatches for g in mb.groups for _ in g.sample_ids)
+        return dict(sorted(counts.items()))
+
+    def validate(self) -> "Plan":
+        """Raise :class:`InvalidPlanError` on any violated invariant; return ``self`` otherwise."""
+        self._check_coverage()
+        for index, microbatch in enumerate(self.microbatches):
+            self._check_microbatch(index, microbatch)
+        self._check_vpp_alignment()
+        return self
+
+    def _check_coverage(self) -> None:
+        seen = Counter(i for mb in self.microbatches for i in mb.sample_ids)
+        expected = Counter(range(len(self.seqlens)))
+        if seen != expected:
+            missing = sorted(expected - seen)[:5]
+            extra = sorted(seen - expected)[:5]
+            raise InvalidPlanError(
+                f"every sample must appear exactly once: missing {missing}, extra/duplicated {extra}"
+            )
+
+    def _check_microbatch(self, index: int, microbatch: MicroBatch) -> None:
+        covered = sorted(r for g in microbatch.groups for r in g.ranks)
+        if covered != list(range(self.domain.size)):
+            raise InvalidPlanError(f"micro-batch {index}: groups do not partition the domain")
+        for group in microbatch.groups:
+            self._check_group(index, group)
+
+    def _check_group(self, index: int, group: CPGroup) -> None:
+        where = f"micro-batch {index}, group {group.ranks[0]}..{group.ranks[-1]}"
+        if group.ranks != group.block.positions or not self.domain.is_group_block(group.block):
+            raise InvalidPlanError(f"{where}: not an aligned block with a CP group")
+        if not group.sample_ids:
+            raise InvalidPlanError(f"{where}: ranks are idle (no samples)")
+        if group.tokens_per_rank(self.seqlens) > self.domain.budget:
+            raise InvalidPlanError(
+                f"{where}: {group.tokens_per_rank(self.seqlens):.1f} tokens per rank exceed the "
+                f"budget {self.domain.budget}"
+            )
+
+    def _check_vpp_alignment(self) -> None:
+        k = self.microbatch_group_size_per_vp_stage
+        if k and self.num_microbatches % k:
+            raise InvalidPlanError(
+                f"{self.num_microbatches} micro-batches is not a multiple of "
+                f"microbatch_group_size_per_vp_stage={k}"
+            )

@@ -1,0 +1,68 @@
+"""Scheduler base class and registry: a scheduler registers itself by subclassing with a name."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Dict, Iterable, List, Optional, Type
+
+from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.plan import MicroBatch, Plan
+
+SCHEDULERS: Dict[str, Type["Scheduler"]] = {}
+VPP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+class Scheduler:
+    """Turns the sequence lengths of one global batch into a validated :class:`Plan`.
+
+    Subclass with ``class MyScheduler(Scheduler, name="my_scheduler")`` to register it; subclasses
+    implement :meth:`_schedule` and may assume non-empty, validated lengths.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, name: str = "", **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name:
+            if name in SCHEDULERS:
+                raise ValueError(f"a scheduler named {name!r} is already registered")
+            cls.name = name
+            SCHEDULERS[name] = cls
+
+    def __init__(
+        self,
+        dp_size: int,
+        cp_size: int,
+        max_seqlen_per_dp_cp_rank: int,
+        min_cp_size: int = 1,
+        microbatch_group_size_per_vp_stage: Optional[int] = None,
+        cost_model: Optional[CostModel] = None,
+    ) -> None:
+        self.domain = Domain(dp_size, cp_size, max_seqlen_per_dp_cp_rank, min_cp_size)
+        k = microbatch_group_size_per_vp_stage
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(
+                f"{VPP_FLAG}={k!r}: must be a positive integer (usually the pipeline-parallel size)."
+            )
+        self.microbatch_group_size_per_vp_stage = k
+        self.cost_model = cost_model or CostModel.from_model_shape()
+
+    def schedule(self, seqlens: Iterable[int]) -> Plan:
+        """Plan one global batch; sample id = index in ``seqlens``. Deterministic in its input."""
+        lengths = self.domain.check_seqlens(seqlens)
+        microbatches = self._schedule(lengths) if lengths else []
+        plan = Plan(lengths, self.domain, tuple(microbatches), self.microbatch_group_size_per_vp_stage)
+        return plan.validate()
+
+    def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
+        raise NotImplementedError
+
+
+def build_scheduler(name: str, **kwargs) -> Scheduler:
+    """Build the scheduler registered as ``name`` (see :data:`SCHEDULERS`)."""
+    if name not in SCHEDULERS:
+        raise ValueError(
+            f"--sequence-packing-scheduler={name!r}: unknown scheduler; choose one of "
+            f"{sorted(SCHEDULERS)}."
+        )
+    return SCHEDULERS[name](**kwargs)
