@@ -38,6 +38,8 @@ COUNT_GROWTH = 1.25
 # Local search: partners examined per move (the least-loaded groups) and sweep limits.
 PARTNERS = 8
 CROSS_SWEEPS = 8
+# Items of a group examined per move (spread over its sizes); bounds the swap search.
+MOVE_ITEMS = 12
 EPS = 1e-9
 
 Draft = List[GroupDraft]
@@ -64,7 +66,8 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         items = [Item(i, seqlen, self.domain.cp_degree(seqlen)) for i, seqlen in enumerate(seqlens)]
         bound = sum(ctx.min_work(item) for item in items) / self.domain.size
         best: Optional[Tuple[float, List[Draft]]] = None
-        for count in candidate_counts(ctx, items, self.microbatch_group_size_per_vp_stage):
+        vpp = self.microbatch_group_size_per_vp_stage
+        for count in candidate_counts(ctx, items, vpp):
             drafts = pack(ctx, items, count)
             if drafts is None:
                 continue
@@ -73,28 +76,26 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
                 best = (path, drafts)
             if path <= GOOD_ENOUGH * bound:
                 break
-        assert best is not None, "one sample per micro-batch always packs"
+        assert best is not None, f"no micro-batch count packs {len(items)} samples"
         return [freeze_microbatch(draft) for draft in best[1]]
 
 
 def candidate_counts(ctx: Context, items: Sequence[Item], vpp: Optional[int]) -> Iterator[int]:
-    """Step 1: micro-batch counts to try, ascending and VPP-aligned; the last, one sample per
-    micro-batch (at most ``len(items)``), always packs."""
-    last = align_microbatch_count(len(items), vpp)
-    if last > len(items):
+    """Step 1: micro-batch counts to try, ascending and VPP-aligned, from the token lower bound;
+    none exceeds ``len(items)`` (one sample per micro-batch, which always packs)."""
+    last = len(items) - len(items) % vpp if vpp else len(items)
+    if last == 0:
         raise ValueError(
             f"{VPP_FLAG}={vpp}: the global batch has {len(items)} samples, fewer than one "
             f"micro-batch group needs; use a larger --global-batch-size or a smaller group size."
         )
     capacity = ctx.domain.size * ctx.domain.budget
     first = max(1, -(-sum(item.seqlen for item in items) // capacity))
-    counts = {first + step for step in COUNT_STEPS}
-    count = float(first)
-    while count < len(items):
-        count *= COUNT_GROWTH
-        counts.add(int(count))
-    aligned = {min(align_microbatch_count(c, vpp), last) for c in counts} | {last}
+    counts = {first + step for step in COUNT_STEPS} | {int(first * COUNT_GROWTH) + 1}
+    aligned = {min(align_microbatch_count(c, vpp), last) for c in counts}
     yield from sorted(aligned)
+    if last not in aligned:
+        yield last
 
 
 def pack(ctx: Context, items: Sequence[Item], count: int) -> Optional[List[Draft]]:
@@ -268,18 +269,26 @@ def candidate_moves(ctx: Context, top: GroupDraft, partner: GroupDraft) -> Itera
     budget = ctx.domain.budget
     top_room = top.size * budget - top.tokens
     partner_room = partner.size * budget - partner.tokens
-    for x in top.items:
+    for x in _spread(top.items):
         if x.min_cp > partner.size:
             continue
         if len(top.items) > 1 and x.seqlen <= partner_room:
             yield x, None
-        for y in partner.items:
+        for y in _spread(partner.items):
             if (
                 y.min_cp <= top.size
                 and x.seqlen - y.seqlen <= partner_room
                 and y.seqlen - x.seqlen <= top_room
             ):
                 yield x, y
+
+
+def _spread(items: List[Item]) -> List[Item]:
+    """At most ``MOVE_ITEMS`` of ``items``, evenly spaced in their current order."""
+    if len(items) <= MOVE_ITEMS:
+        return items
+    step = len(items) / MOVE_ITEMS
+    return [items[int(k * step)] for k in range(MOVE_ITEMS)]
 
 
 def loads_after(ctx: Context, top: GroupDraft, partner: GroupDraft, move: Move) -> Tuple[float, float]:
