@@ -52,7 +52,9 @@ def _group_shape_ok(start: int, size: int, n: int, min_cp: int) -> bool:
     return _pow2(size) and size >= min_cp and start % size == 0 and start + size <= n
 
 
-def check_header(plan: Plan, seqlens: Sequence[int], domain: Domain, vpp: Optional[int]) -> List[str]:
+def check_header(
+    plan: Plan, seqlens: Sequence[int], domain: Domain, vpp: Optional[int]
+) -> List[str]:
     """The plan describes this input, domain and VPP setting."""
     errors = []
     if tuple(plan.seqlens) != tuple(seqlens):
@@ -151,7 +153,11 @@ def check_plan(plan: Plan, seqlens: Sequence[int], domain: Domain, vpp: Optional
 
     Re-derives the invariants from the plan's raw fields and ``domain``'s four settings only.
     """
-    n, budget, min_cp = domain.dp_size * domain.cp_size, domain.max_seqlen_per_dp_cp_rank, domain.min_cp_size
+    n, budget, min_cp = (
+        domain.dp_size * domain.cp_size,
+        domain.max_seqlen_per_dp_cp_rank,
+        domain.min_cp_size,
+    )
     return (
         check_header(plan, seqlens, domain, vpp)
         + check_coverage(plan, seqlens)
@@ -200,7 +206,8 @@ class Case:
         lengths = list(self.seqlens)
         text = f"build_scheduler({name!r}, {args}).schedule({lengths})"
         if len(text) > 600:
-            text = f"build_scheduler({name!r}, {args}).schedule({lengths[:40]} + ...{len(lengths)} total)"
+            shown = f"{lengths[:40]} + ...{len(lengths)} total"
+            text = f"build_scheduler({name!r}, {args}).schedule({shown})"
         return text
 
 
@@ -230,9 +237,10 @@ def rejection(name: str, case: Case) -> Optional[str]:
     """Whether ``name`` must, may, or must not (None) reject ``case`` with ``ValueError``.
 
     A plan exists iff the lengths fit in K non-empty bins for some allowed bin count ≤ K: bins are
-    whole micro-batches of N·budget tokens for ``default_dynamic_cp`` (the whole-domain group always
-    exists) and static CP blocks of cp·budget tokens, dp per micro-batch, for ``dp_balanced``.
-    Splitting a bin never breaks capacity, so fewer bins than K can always be padded to K.
+    whole micro-batches of N·budget tokens for ``default_dynamic_cp`` (the whole-domain group
+    always exists) and static CP blocks of cp·budget tokens, dp per micro-batch, for
+    ``dp_balanced``. Splitting a bin never breaks capacity, so fewer bins than K can always be
+    padded to K. Bin packing is hard, so the answer is "may" between its lower and upper bounds.
     """
     n, seqlens, cp = case.size, case.seqlens, case.cp_size
     if name == "dp_balanced" and not (cp == n or (_pow2(cp) and cp >= case.min_cp_size)):
@@ -241,18 +249,24 @@ def rejection(name: str, case: Case) -> Optional[str]:
         return MUST_REJECT
     if not seqlens:
         return None
-    if name == "dp_balanced":
-        capacity, bins = cp * case.budget, case.dp_size * _largest_aligned(len(seqlens) // case.dp_size, case.vpp)
-    elif name == "default_dynamic_cp":
-        capacity, bins = n * case.budget, _largest_aligned(len(seqlens), case.vpp)
-    else:
+    if name not in ("dp_balanced", "default_dynamic_cp"):
         return MAY_REJECT
+    capacity, bins = _bins(name, case)
     if bins == 0 or any(s > capacity for s in seqlens):
         return MUST_REJECT
     lower, upper = min_bins_bounds(seqlens, capacity)
     if lower > bins:
         return MUST_REJECT
     return None if upper <= bins else MAY_REJECT
+
+
+def _bins(name: str, case: Case) -> Tuple[int, int]:
+    """(tokens per bin, most bins a plan may have) for the schedulers :func:`rejection` knows."""
+    count = len(case.seqlens)
+    if name == "dp_balanced":
+        microbatches = _largest_aligned(count // case.dp_size, case.vpp)
+        return case.cp_size * case.budget, case.dp_size * microbatches
+    return case.size * case.budget, _largest_aligned(count, case.vpp)
 
 
 def draw_domain(rng: random.Random) -> Tuple[int, int, int, int, Optional[int]]:
@@ -300,6 +314,7 @@ def draw_case(seed: int, index: int) -> Case:
 # Running one case
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Outcome:
     """What scheduling one case gave: a plan (``microbatches`` ≥ 0) or a rejection (None), and
@@ -336,7 +351,9 @@ def run_case(name: str, case: Case) -> Outcome:
         return Outcome(None)
     except Exception as error:  # noqa: BLE001 - any other exception is the finding
         verdict = VERDICTS[expected]
-        return Outcome(None, (f"{type(error).__name__} on an input that {verdict}: {_short(error)}",))
+        return Outcome(
+            None, (f"{type(error).__name__} on an input that {verdict}: {_short(error)}",)
+        )
     problems = plan_problems(name, case, scheduler, plan)
     if expected == MUST_REJECT:
         problems.insert(0, "accepted an input that has no plan (must raise ValueError)")
@@ -397,7 +414,9 @@ def _lower_lengths(case: Case, still_fails: _Budgeted) -> Case:
         changed = False
         for i in range(len(current.seqlens)):
             for value in _smaller_values(current.seqlens[i]):
-                candidate = replace(current, seqlens=current.seqlens[:i] + (value,) + current.seqlens[i + 1 :])
+                candidate = replace(
+                    current, seqlens=current.seqlens[:i] + (value,) + current.seqlens[i + 1 :]
+                )
                 if still_fails(candidate):
                     current, changed = candidate, True
                     break
@@ -407,7 +426,10 @@ def _lower_lengths(case: Case, still_fails: _Budgeted) -> Case:
 def _simpler_domains(case: Case) -> List[Case]:
     """Variants with one setting simplified: no VPP, min CP 1, DP-only or CP-only layout."""
     variants = [replace(case, vpp=None), replace(case, min_cp_size=1)]
-    variants += [replace(case, dp_size=case.size, cp_size=1), replace(case, dp_size=1, cp_size=case.size)]
+    variants += [
+        replace(case, dp_size=case.size, cp_size=1),
+        replace(case, dp_size=1, cp_size=case.size),
+    ]
     return [v for v in variants if v != case]
 
 
@@ -550,8 +572,8 @@ def _worker(args: Tuple[int, int, int, Tuple[str, ...], int]) -> FuzzResult:
     def progress(index: int, result: FuzzResult) -> None:
         if every and result.cases % every == 0:
             print(
-                f"[cases {first}..{index}] {result.cases} done, {result.violation_count} violations, "
-                f"{time.perf_counter() - started:.0f} s",
+                f"[cases {first}..{index}] {result.cases} done, "
+                f"{result.violation_count} violations, {time.perf_counter() - started:.0f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -569,7 +591,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     names = tuple(args.schedulers)
-    chunks = [(args.cases * j // args.jobs, args.cases * (j + 1) // args.jobs) for j in range(args.jobs)]
+    chunks = [
+        (args.cases * j // args.jobs, args.cases * (j + 1) // args.jobs) for j in range(args.jobs)
+    ]
     work = [(stop - start, args.seed, start, names, args.progress) for start, stop in chunks]
     if args.jobs > 1:
         import multiprocessing

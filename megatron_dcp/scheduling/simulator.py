@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.plan import MicroBatch, Plan
@@ -58,6 +58,8 @@ class Report:
     mean_tokens_per_rank: float
     cp_size_histogram: Dict[int, int] = field(default_factory=dict)
     plan_time_s: float = 0.0
+    # Barrier-separated groups, for schedulers that have them (megatron-core's hybrid-CP peer).
+    num_groups: Optional[int] = None
 
     @property
     def ratio(self) -> float:

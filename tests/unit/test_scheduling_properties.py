@@ -216,7 +216,10 @@ def test_same_input_gives_the_same_plan(name, data):
     plan = plan_or_none(name, case)
     if plan is not None:
         scheduler = build_scheduler(name, **case.kwargs())
-        for again in (scheduler.schedule(list(case.seqlens)), scheduler.schedule(tuple(case.seqlens))):
+        for again in (
+            scheduler.schedule(list(case.seqlens)),
+            scheduler.schedule(tuple(case.seqlens)),
+        ):
             assert again == plan and repr(again) == repr(plan)
 
 
@@ -269,12 +272,18 @@ def test_empty_input_gives_an_empty_plan(name, vpp, dp, cp):
     assert plan.num_microbatches == 0 and plan.microbatches == () and plan.seqlens == ()
 
 
-@pytest.mark.parametrize("dp,cp,min_cp", [(1, 1, 1), (2, 2, 1), (3, 1, 1), (3, 2, 2), (8, 8, 4), (7, 9, 1)])
+@pytest.mark.parametrize(
+    "dp,cp,min_cp", [(1, 1, 1), (2, 2, 1), (3, 1, 1), (3, 2, 2), (8, 8, 4), (7, 9, 1)]
+)
 def test_one_huge_sequence_fills_the_whole_domain(dp, cp, min_cp):
     budget = 5
     n = dp * cp
     scheduler = build_scheduler(
-        "default_dynamic_cp", dp_size=dp, cp_size=cp, max_seqlen_per_dp_cp_rank=budget, min_cp_size=min_cp
+        "default_dynamic_cp",
+        dp_size=dp,
+        cp_size=cp,
+        max_seqlen_per_dp_cp_rank=budget,
+        min_cp_size=min_cp,
     )
     plan = scheduler.schedule([n * budget])
     assert [[(g.ranks, g.sample_ids) for g in mb.groups] for mb in plan.microbatches] == [
@@ -292,7 +301,9 @@ def test_dp_balanced_one_huge_sequence(cp):
     plan = whole.schedule([cp * budget])
     assert [[g.ranks for g in mb.groups] for mb in plan.microbatches] == [[tuple(range(cp))]]
     if is_pow2(cp):
-        split = build_scheduler("dp_balanced", dp_size=2, cp_size=cp, max_seqlen_per_dp_cp_rank=budget)
+        split = build_scheduler(
+            "dp_balanced", dp_size=2, cp_size=cp, max_seqlen_per_dp_cp_rank=budget
+        )
         with pytest.raises(ValueError, match=BUDGET_FLAG):
             split.schedule([2 * cp * budget])
 
@@ -326,7 +337,9 @@ def test_fewer_sequences_than_ranks_expands_groups(layout, data):
 
 def test_dp_balanced_fewer_sequences_than_dp_ranks_raises():
     with pytest.raises(ValueError, match="--global-batch-size"):
-        build_scheduler("dp_balanced", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=8).schedule([1, 2, 3])
+        build_scheduler("dp_balanced", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=8).schedule(
+            [1, 2, 3]
+        )
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64])
@@ -432,8 +445,12 @@ def test_plans_do_not_depend_on_pythonhashseed():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: zero-length sample, N=3, min_cp=2")
-@pytest.mark.parametrize("dp,min_cp,seqlens", [(3, 2, [0]), (7, 2, [0, 4, 4, 4, 4]), (10, 4, [0, 0, 0])])
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="BUG: zero-length sample, N=3, min_cp=2"
+)
+@pytest.mark.parametrize(
+    "dp,min_cp,seqlens", [(3, 2, [0]), (7, 2, [0, 4, 4, 4, 4]), (10, 4, [0, 0, 0])]
+)
 def test_bug_zero_length_sample_when_only_the_whole_domain_tiles(dp, min_cp, seqlens):
     """default_dynamic_cp crashes (AssertionError "no micro-batch count packs") although the
     whole-domain group holds everything. On a domain that min_cp_size cannot tile (N=3,
@@ -446,20 +463,28 @@ def test_bug_zero_length_sample_when_only_the_whole_domain_tiles(dp, min_cp, seq
     assert check_plan(plan, tuple(seqlens), plan.domain, None) == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: CP-overhead-heavy cost model, N=3")
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="BUG: CP-overhead-heavy cost model, N=3"
+)
 def test_bug_cost_model_with_large_cp_overhead_when_only_the_whole_domain_tiles():
     """Same root cause with a positive length: when CP overhead makes the whole-domain group
     dearer per rank, the sample is never promoted to it and nothing else is allocatable."""
     from megatron_dcp.scheduling import CostModel
 
     scheduler = build_scheduler(
-        "default_dynamic_cp", dp_size=3, cp_size=1, max_seqlen_per_dp_cp_rank=4, min_cp_size=2,
+        "default_dynamic_cp",
+        dp_size=3,
+        cp_size=1,
+        max_seqlen_per_dp_cp_rank=4,
+        min_cp_size=2,
         cost_model=CostModel(linear=1.0, quadratic=0.0, comm=10.0),
     )
     scheduler.schedule([1])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: VPP caps the count, feasible input")
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="BUG: VPP caps the count, feasible input"
+)
 @pytest.mark.parametrize(
     "dp,budget,min_cp,vpp,seqlens",
     [(3, 100, 1, 2, [150, 150, 150]), (11, 1024, 4, 4, [1, 1, 1, 1, 1])],
@@ -471,32 +496,46 @@ def test_bug_vpp_feasible_input_crashes(dp, budget, min_cp, vpp, seqlens):
     micro-batch, and a sample whose CP size has no free block left is never placed on a larger
     (e.g. whole-domain) group, so every candidate count fails."""
     scheduler = build_scheduler(
-        "default_dynamic_cp", dp_size=dp, cp_size=1, max_seqlen_per_dp_cp_rank=budget,
-        min_cp_size=min_cp, microbatch_group_size_per_vp_stage=vpp,
+        "default_dynamic_cp",
+        dp_size=dp,
+        cp_size=1,
+        max_seqlen_per_dp_cp_rank=budget,
+        min_cp_size=min_cp,
+        microbatch_group_size_per_vp_stage=vpp,
     )
     plan = scheduler.schedule(seqlens)
     assert check_plan(plan, tuple(seqlens), plan.domain, vpp) == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: zero-length samples share a bucket")
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="BUG: zero-length samples share a bucket"
+)
 def test_bug_default_dynamic_cp_zero_length_samples_leave_buckets_empty():
     """[0, 0] on one rank with VPP 2 has a plan (one sample per micro-batch) but crashes:
     lpt_partition (balance.py) breaks load ties on the bin index, so zero-cost samples all land
     in bin 0 and the other buckets stay empty; VPP leaves no larger count to fall back on."""
     scheduler = build_scheduler(
-        "default_dynamic_cp", dp_size=1, cp_size=1, max_seqlen_per_dp_cp_rank=1,
+        "default_dynamic_cp",
+        dp_size=1,
+        cp_size=1,
+        max_seqlen_per_dp_cp_rank=1,
         microbatch_group_size_per_vp_stage=2,
     )
     assert scheduler.schedule([0, 0]).num_microbatches == 2
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: zero-length samples share a bin")
-@pytest.mark.parametrize("dp,vpp,seqlens", [(2, None, [0, 0]), (2, 2, [0, 0, 0, 5]), (1, 2, [0, 0])])
+@pytest.mark.parametrize(
+    "dp,vpp,seqlens", [(2, None, [0, 0]), (2, 2, [0, 0, 0, 5]), (1, 2, [0, 0])]
+)
 def test_bug_dp_balanced_rejects_zero_length_samples(dp, vpp, seqlens):
     """dp_balanced raises "cannot fill 2 DP ranks" for [0, 0] on 2 DP ranks although each rank
     can take one sample: same lpt_partition tie-break, every zero-cost sample goes to bin 0."""
     scheduler = build_scheduler(
-        "dp_balanced", dp_size=dp, cp_size=1, max_seqlen_per_dp_cp_rank=8,
+        "dp_balanced",
+        dp_size=dp,
+        cp_size=1,
+        max_seqlen_per_dp_cp_rank=8,
         microbatch_group_size_per_vp_stage=vpp,
     )
     plan = scheduler.schedule(seqlens)
@@ -509,7 +548,10 @@ def test_bug_vpp_infeasible_input_raises_assertion_error_instead_of_value_error(
     or 4 (one idle). No plan exists, so a ValueError naming the flag is due; the scheduler
     fails its internal assert instead (regression since 00b96ba: e091bc2 raised ValueError here)."""
     scheduler = build_scheduler(
-        "default_dynamic_cp", dp_size=1, cp_size=1, max_seqlen_per_dp_cp_rank=2,
+        "default_dynamic_cp",
+        dp_size=1,
+        cp_size=1,
+        max_seqlen_per_dp_cp_rank=2,
         microbatch_group_size_per_vp_stage=2,
     )
     with pytest.raises(ValueError, match="--"):

@@ -163,7 +163,11 @@ def test_bad_min_cp(name, min_cp):
 def test_bad_vpp_group_size(name, vpp):
     with pytest.raises(ValueError, match=VPP_FLAG):
         build_scheduler(
-            name, dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8, microbatch_group_size_per_vp_stage=vpp
+            name,
+            dp_size=2,
+            cp_size=2,
+            max_seqlen_per_dp_cp_rank=8,
+            microbatch_group_size_per_vp_stage=vpp,
         )
 
 
@@ -195,8 +199,12 @@ def test_dp_balanced_needs_a_cp_group_of_cp_size():
     with pytest.raises(ValueError, match="--context-parallel-size=3"):
         build_scheduler("dp_balanced", dp_size=2, cp_size=3, max_seqlen_per_dp_cp_rank=8)
     with pytest.raises(ValueError, match="--context-parallel-size=2"):
-        build_scheduler("dp_balanced", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8, min_cp_size=4)
-    build_scheduler("dp_balanced", dp_size=1, cp_size=3, max_seqlen_per_dp_cp_rank=8)  # whole domain
+        build_scheduler(
+            "dp_balanced", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8, min_cp_size=4
+        )
+    build_scheduler(
+        "dp_balanced", dp_size=1, cp_size=3, max_seqlen_per_dp_cp_rank=8
+    )  # whole domain
 
 
 def test_dp_balanced_sequence_longer_than_static_cp_names_the_flag():
@@ -206,7 +214,9 @@ def test_dp_balanced_sequence_longer_than_static_cp_names_the_flag():
 
 
 def test_inputs_are_accepted_as_any_iterable_of_ints():
-    scheduler = build_scheduler("default_dynamic_cp", dp_size=2, cp_size=1, max_seqlen_per_dp_cp_rank=8)
+    scheduler = build_scheduler(
+        "default_dynamic_cp", dp_size=2, cp_size=1, max_seqlen_per_dp_cp_rank=8
+    )
     plan = scheduler.schedule(iter([3, 4, 5]))
     assert plan.seqlens == (3, 4, 5) and plan == scheduler.schedule((3, 4, 5))
 
@@ -261,7 +271,9 @@ def test_a_scheduler_that_returns_a_broken_plan_is_caught(registered_names):
             return [MicroBatch(groups)]
 
     with pytest.raises(InvalidPlanError, match="idle"):
-        build_scheduler("test_idle_ranks", dp_size=2, cp_size=1, max_seqlen_per_dp_cp_rank=8).schedule([1])
+        build_scheduler(
+            "test_idle_ranks", dp_size=2, cp_size=1, max_seqlen_per_dp_cp_rank=8
+        ).schedule([1])
 
 
 def test_unknown_scheduler_names_the_flag_and_the_choices():
@@ -314,12 +326,16 @@ def test_validate_catches_a_missing_sample():
 
 
 def test_validate_catches_overlapping_groups():
-    plan = replace(VALID, microbatches=(mb(((0, 1), (0, 1)), ((0, 1, 2, 3), (2, 3))), VALID.microbatches[1]))
+    plan = replace(
+        VALID, microbatches=(mb(((0, 1), (0, 1)), ((0, 1, 2, 3), (2, 3))), VALID.microbatches[1])
+    )
     assert_broken(plan, "do not partition")
 
 
 def test_validate_catches_an_uncovered_position():
-    plan = replace(VALID, microbatches=(mb(((0, 1), (0, 1)), ((2,), (2, 3))), VALID.microbatches[1]))
+    plan = replace(
+        VALID, microbatches=(mb(((0, 1), (0, 1)), ((2,), (2, 3))), VALID.microbatches[1])
+    )
     assert_broken(plan, "do not partition")
 
 
@@ -346,7 +362,10 @@ def test_validate_catches_an_over_budget_group():
 
 
 def test_validate_catches_an_idle_group():
-    plan = replace(VALID, microbatches=(mb(((0, 1), (0, 1, 2)), ((2,), ()), ((3,), (3,))), VALID.microbatches[1]))
+    plan = replace(
+        VALID,
+        microbatches=(mb(((0, 1), (0, 1, 2)), ((2,), ()), ((3,), (3,))), VALID.microbatches[1]),
+    )
     assert_broken(plan, "idle")
 
 
@@ -390,12 +409,17 @@ def test_custom_cost_model_formula():
 
 
 def test_cost_model_shape_sets_the_coefficients():
-    small, large = CostModel.from_model_shape(ModelShape(hidden_size=1024, ffn_hidden_size=4096)), MODEL
+    small, large = (
+        CostModel.from_model_shape(ModelShape(hidden_size=1024, ffn_hidden_size=4096)),
+        MODEL,
+    )
     assert 0 < small.linear < large.linear and 0 < small.quadratic < large.quadratic
     assert 0 < small.comm <= large.comm
 
 
-@pytest.mark.parametrize("coefficients", [(-1.0, 1.0, 0.0), (1.0, -1.0, 0.0), (1.0, 1.0, -1.0), (0.0, 0.0, 1.0)])
+@pytest.mark.parametrize(
+    "coefficients", [(-1.0, 1.0, 0.0), (1.0, -1.0, 0.0), (1.0, 1.0, -1.0), (0.0, 0.0, 1.0)]
+)
 def test_cost_model_rejects_bad_coefficients(coefficients):
     with pytest.raises(ValueError, match="coefficients"):
         CostModel(*coefficients)

@@ -1,0 +1,47 @@
+"""Import ``megatron.core`` on machines without triton (CPU-only).
+
+megatron-core 0.19.2 imports ``megatron.core.transformer.moe.ops.paged_stash`` from
+``megatron.core.__init__`` (via the pipeline schedules), and that module does an unconditional
+``import triton`` to define two MoE paged-stash kernels. Without triton, ``import megatron.core``
+fails even though nothing outside MoE paged stashing needs the kernels. When triton is missing we
+register a stand-in for exactly that one module; triton itself is never faked (a global fake breaks
+``torch._inductor``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+PAGED_STASH_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _paged_stash_stand_in() -> types.ModuleType:
+    """The constants of the real module; the kernels are ``None`` (MoE paged stash unusable)."""
+    module = types.ModuleType(PAGED_STASH_MODULE, "Stand-in for the triton paged-stash kernels.")
+    module.GLOBAL_BLOCK_SIZE = 1024
+    module.paged_stash_copy_kernel = None
+    module.paged_stash_pop_kernel = None
+    module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    return module
+
+
+def import_megatron_core() -> bool:
+    """Import ``megatron.core`` (idempotent); True when it is available, False when not installed
+    or not importable. Registers the paged-stash stand-in only when triton cannot be imported."""
+    if "megatron.core" not in sys.modules and not _triton_importable():
+        sys.modules.setdefault(PAGED_STASH_MODULE, _paged_stash_stand_in())
+    try:
+        importlib.import_module("megatron.core")
+    except ImportError:
+        return False
+    return True
