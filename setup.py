@@ -1,10 +1,21 @@
+"""Packaging of megatron_dcp (import name) as ``megatron-dcp``.
+
+On Python 3.11, install megatron-core 0.19.2 first with ``--ignore-requires-python --no-deps``
+and this package with ``--no-deps`` (see scripts/setup_env.sh): the 0.19.x wheels declare
+Python ≥3.12.
+"""
+
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+README = Path(__file__).with_name("README.md").read_text(encoding="utf-8")
 
 setup(
     name="megatron-dcp",
     version="0.1.0",
     description="Dynamic Context Parallelism (DCP) for NVIDIA Megatron-Core",
-    long_description=open("README.md").read(),
+    long_description=README,
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
@@ -15,4 +26,9 @@ setup(
         "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis"],
     },
     entry_points={"console_scripts": ["megatron-dcp=megatron_dcp.cli:main"]},
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
 )

@@ -45,9 +45,11 @@ class Layout:
     vpp: Optional[int] = None
 
     def domain(self) -> Domain:
+        """The validated domain (raises ValueError on a bad layout)."""
         return Domain(self.dp_size, self.cp_size, self.budget, self.min_cp_size)
 
     def describe(self) -> str:
+        """One line for table headers."""
         n = self.dp_size * self.cp_size
         extra = f", min CP {self.min_cp_size}" if self.min_cp_size > 1 else ""
         extra += f", VPP group {self.vpp}" if self.vpp else ""
@@ -95,13 +97,19 @@ class Outcome:
 # Running schedulers
 
 
-def run_ours(name: str, lengths: Sequence[int], layout: Layout, cost: CostModel, panel: bool) -> Row:
+def run_ours(
+    name: str, lengths: Sequence[int], layout: Layout, cost: CostModel, panel: bool
+) -> Row:
     """Schedule with a registered scheduler; a ValueError (e.g. a sequence too long) -> n/a."""
     try:
         scheduler = build_scheduler(
-            name, dp_size=layout.dp_size, cp_size=layout.cp_size,
-            max_seqlen_per_dp_cp_rank=layout.budget, min_cp_size=layout.min_cp_size,
-            microbatch_group_size_per_vp_stage=layout.vpp, cost_model=cost,
+            name,
+            dp_size=layout.dp_size,
+            cp_size=layout.cp_size,
+            max_seqlen_per_dp_cp_rank=layout.budget,
+            min_cp_size=layout.min_cp_size,
+            microbatch_group_size_per_vp_stage=layout.vpp,
+            cost_model=cost,
         )
         plan, elapsed = timed_schedule(scheduler, lengths)
     except ValueError as error:
@@ -128,6 +136,7 @@ def run_peer(lengths: Sequence[int], layout: Layout, cost: CostModel, panel: boo
 def run_scheduler(
     name: str, lengths: Sequence[int], layout: Layout, cost: CostModel, panel: bool = False
 ) -> Row:
+    """A registered scheduler, or the megatron peer for :data:`PEER_ALIAS`."""
     if name == PEER_ALIAS:
         return run_peer(lengths, layout, cost, panel)
     return run_ours(name, lengths, layout, cost, panel)
@@ -172,6 +181,7 @@ def format_histogram(histogram: Dict[int, int]) -> str:
 
 
 def report_cells(result: Report) -> List[str]:
+    """One table row; the peer's micro-batches are its forward passes, with its group count."""
     microbatches = str(result.num_microbatches)
     if result.num_groups is not None:
         microbatches += f" ({result.num_groups} groups)"
@@ -188,8 +198,14 @@ def report_cells(result: Report) -> List[str]:
 
 
 RESULT_HEADER = (
-    "scheduler", "critical path", "CP/LB", "micro-batches", "max tok/rank", "mean tok/rank",
-    "CP sizes (size:seqs)", "plan ms",
+    "scheduler",
+    "critical path",
+    "CP/LB",
+    "micro-batches",
+    "max tok/rank",
+    "mean tok/rank",
+    "CP sizes (size:seqs)",
+    "plan ms",
 )
 
 
@@ -215,11 +231,13 @@ def format_outcome(outcome: Outcome) -> str:
 
 
 def scheduler_names(requested: Optional[List[str]], no_peer: bool) -> List[str]:
+    """--scheduler values, default every registered scheduler plus the peer."""
     names = requested or [*sorted(SCHEDULERS), PEER_ALIAS]
     return [name for name in names if not (no_peer and name == PEER_ALIAS)]
 
 
 def simulate_layout(args: argparse.Namespace, workload: Workload) -> Layout:
+    """Layout flags, each defaulting to the --workload's value."""
     return Layout(
         args.dp_size or workload.dp_size,
         args.cp_size or workload.cp_size,
@@ -241,12 +259,14 @@ def simulate_lengths(args: argparse.Namespace, layout: Layout, workload: Workloa
 
 
 def simulate_title(args: argparse.Namespace, workload: Workload) -> str:
+    """Where the lengths came from."""
     if args.lengths:
         return f"lengths from {args.lengths}"
     return f"distribution {args.distribution or workload.distribution} (seed {args.seed})"
 
 
 def write_plot(outcome: Outcome, path: str) -> None:
+    """One panel per scheduler that produced a plan."""
     from megatron_dcp.scheduling.plot import plot_panels
 
     panels = [row.panel for row in outcome.rows if row.panel is not None]
@@ -254,6 +274,7 @@ def write_plot(outcome: Outcome, path: str) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """Every chosen scheduler on one workload; exit 2 when none could plan it."""
     workload = reference_workload(args.workload)
     layout = simulate_layout(args, workload)
     layout.domain()  # validate the layout before sampling
@@ -274,10 +295,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def benchmark_outcomes(args: argparse.Namespace) -> List[Outcome]:
     """Every selected reference workload under every selected cost model, printed as it goes."""
-    workloads = [reference_workload(w) for w in args.workload] if args.workload else REFERENCE_WORKLOADS
+    workloads = (
+        [reference_workload(w) for w in args.workload] if args.workload else REFERENCE_WORKLOADS
+    )
     outcomes = []
-    for cost_name in args.cost_model or sorted(COST_MODELS):
-        for index, workload in enumerate(workloads, start=1):
+    for cost_name in args.cost_model or list(COST_MODELS):
+        for workload in workloads:
             layout = Layout(workload.dp_size, workload.cp_size, workload.budget)
             title = f"{workload.name}: {workload.description}"
             lengths = workload.lengths(args.seed)
@@ -310,6 +333,7 @@ def timing_lengths(count: int, dp: int, cp: int, seed: int) -> Tuple[List[int], 
 
 
 def time_scheduler(name: str, lengths: List[int], layout: Layout, cost: CostModel) -> Timing:
+    """Median of :data:`TIMING_REPEATS` plan times (the first failure makes it n/a)."""
     n = layout.dp_size * layout.cp_size
     desc = f"dp {layout.dp_size} × cp {layout.cp_size}"
     rows = [run_scheduler(name, lengths, layout, cost) for _ in range(TIMING_REPEATS)]
@@ -328,29 +352,36 @@ def benchmark_timings(args: argparse.Namespace) -> List[Timing]:
         lengths, budget = timing_lengths(count, dp, cp, args.seed)
         for name in BENCHMARK_SCHEDULERS:
             timings.append(time_scheduler(name, lengths, Layout(dp, cp, budget), cost))
-            if not args.json:
-                print(f"   timed {timings[-1].scheduler} at N={dp * cp}", file=sys.stderr, flush=True)
     return timings
 
 
 def format_timings(timings: Sequence[Timing]) -> str:
+    """The plan-time table."""
     header = ("N", "layout", "sequences", "budget", "scheduler", "plan ms (median of 3)")
     rows = [
-        (str(t.domain_size), t.layout, str(t.num_sequences), str(t.budget), t.scheduler,
-         f"{t.median_ms:.1f}" if t.median_ms is not None else f"n/a ({t.note})")
+        (
+            str(t.domain_size),
+            t.layout,
+            str(t.num_sequences),
+            str(t.budget),
+            t.scheduler,
+            f"{t.median_ms:.1f}" if t.median_ms is not None else f"n/a ({t.note})",
+        )
         for t in timings
     ]
-    title = (
-        "== plan time: workload-1 lengths; budget: tokens ≈ 8 × N × budget, at least max length / cp"
-    )
+    title = "== plan time: workload-1 lengths; budget ≈ tokens / (8 × N), ≥ max length / cp"
     return title + "\n" + render_table(header, rows, "rlrrlr")
 
 
 def cmd_benchmark(args: argparse.Namespace) -> int:
+    """Reference workloads (tables printed as they finish), then the plan-time runs."""
     outcomes = benchmark_outcomes(args)
     timings = [] if args.no_timing else benchmark_timings(args)
     if args.json:
-        data = {"workloads": [o.as_dict() for o in outcomes], "plan_time": [t.__dict__ for t in timings]}
+        data = {
+            "workloads": [o.as_dict() for o in outcomes],
+            "plan_time": [t.__dict__ for t in timings],
+        }
         print(json.dumps(data, indent=2))
     elif timings:
         print(format_timings(timings))
@@ -369,13 +400,15 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         print(f"megatron-dcp fuzz: the fuzzer is not available ({error}).", file=sys.stderr)
         return 2
     result = run_fuzz(cases=args.cases, seed=args.seed)
-    violations = list(result.violations)
-    print(f"fuzz: {result.cases} cases, {len(violations)} violations (seed {args.seed})")
-    for violation in violations[: args.show]:
+    stored = list(result.violations)
+    # FuzzResult keeps only the first few (shrunk) violations; violation_count has the total.
+    count = getattr(result, "violation_count", len(stored))
+    print(f"fuzz: {result.cases} cases, {count} violations (seed {args.seed})")
+    for violation in stored[: args.show]:
         print(f"  {violation}")
-    if len(violations) > args.show:
-        print(f"  ... and {len(violations) - args.show} more")
-    return 1 if violations else 0
+    if count > min(len(stored), args.show):
+        print(f"  ... and {count - min(len(stored), args.show)} more")
+    return 1 if count else 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,50 +435,74 @@ def power_of_two(text: str) -> int:
 
 
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dp-size", type=positive_int, help="data-parallel size")
-    parser.add_argument("--cp-size", type=positive_int, help="context-parallel size")
+    """Domain layout flags (names as in Megatron where it has them)."""
+    parser.add_argument("--dp-size", type=positive_int, metavar="N", help="data-parallel size")
+    parser.add_argument("--cp-size", type=positive_int, metavar="N", help="context-parallel size")
     parser.add_argument(
-        "--max-seqlen-per-dp-cp-rank", type=positive_int, help="per-rank token budget"
+        "--max-seqlen-per-dp-cp-rank",
+        type=positive_int,
+        metavar="TOKENS",
+        help="per-rank token budget of a micro-batch",
     )
-    parser.add_argument("--min-cp-size", type=power_of_two, default=1, help="smallest CP group")
     parser.add_argument(
-        "--microbatch-group-size-per-vp-stage", type=positive_int,
-        help="with VPP: the micro-batch count must be a multiple of this",
+        "--min-cp-size", type=power_of_two, default=1, metavar="N", help="smallest CP group size"
+    )
+    parser.add_argument(
+        "--microbatch-group-size-per-vp-stage",
+        type=positive_int,
+        metavar="K",
+        help="with VPP: the micro-batch count must be a multiple of K",
     )
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """Where the lengths come from and how many."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--lengths", metavar="FILE", help="one sequence length per line")
     source.add_argument(
-        "--distribution", metavar="SPEC",
+        "--distribution",
+        metavar="SPEC",
         help="e.g. 'lognormal:median=1024,sigma=1.0,max=8192', 'uniform:min=1,max=32K', "
         "'mixture:0.99*lognormal:median=1024,sigma=1|0.01*uniform:min=32K,max=256K'",
     )
     count = parser.add_mutually_exclusive_group()
-    count.add_argument("--num-sequences", type=positive_int, help="sample this many sequences")
     count.add_argument(
-        "--tokens-per-global-batch", type=positive_int,
+        "--num-sequences", type=positive_int, metavar="N", help="sample this many sequences"
+    )
+    count.add_argument(
+        "--tokens-per-global-batch",
+        type=positive_int,
+        metavar="TOKENS",
         help="sample until this many tokens (default 8 × N × budget)",
     )
     parser.add_argument(
-        "--workload", default="lognormal",
+        "--workload",
+        default="lognormal",
+        metavar="NAME",
         help="reference workload giving the defaults for layout and distribution "
         f"({', '.join(w.name for w in REFERENCE_WORKLOADS)})",
     )
 
 
 def add_simulate(sub: Any) -> None:
+    """The ``simulate`` subcommand."""
     choices = [*sorted(SCHEDULERS), PEER_ALIAS]
     p = sub.add_parser("simulate", help="compare schedulers on one workload")
     p.add_argument(
-        "--scheduler", action="append", choices=choices,
+        "--scheduler",
+        action="append",
+        choices=choices,
         help=f"repeatable; default: all ({PEER_ALIAS} = megatron-core 0.19.2 BalancedCPScheduler)",
     )
     add_layout_args(p)
     add_workload_args(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cost-model", choices=sorted(COST_MODELS), default="model")
+    p.add_argument("--seed", type=int, default=0, help="seed of the length sampler")
+    p.add_argument(
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        default="model",
+        help="model: GEMM + attention + CP overhead of a Llama-3-8B-like model; attention: L²/c",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--plot", metavar="FILE.png", help="draw every plan into one PNG")
     p.add_argument("--no-peer", action="store_true", help=f"skip the {PEER_ALIAS} peer")
@@ -453,9 +510,20 @@ def add_simulate(sub: Any) -> None:
 
 
 def add_benchmark(sub: Any) -> None:
+    """The ``benchmark`` subcommand."""
     p = sub.add_parser("benchmark", help="the reference workloads and plan-time scaling")
-    p.add_argument("--cost-model", choices=sorted(COST_MODELS), action="append")
-    p.add_argument("--workload", action="append", help="restrict to these workloads (repeatable)")
+    p.add_argument(
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        action="append",
+        help="restrict to this cost model (repeatable; default both)",
+    )
+    p.add_argument(
+        "--workload",
+        action="append",
+        metavar="NAME",
+        help="restrict to these workloads (repeatable; name or 1-4)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="skip the N=1024 plan-time run")
     p.add_argument("--no-timing", action="store_true", help="skip the plan-time runs")
@@ -464,6 +532,7 @@ def add_benchmark(sub: Any) -> None:
 
 
 def add_fuzz(sub: Any) -> None:
+    """The ``fuzz`` subcommand."""
     p = sub.add_parser("fuzz", help="check plan invariants on random inputs")
     p.add_argument("--cases", type=positive_int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
@@ -472,7 +541,12 @@ def add_fuzz(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-dcp", description=__doc__)
+    """The ``megatron-dcp`` argument parser with its three subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="megatron-dcp",
+        description="Dynamic Context Parallelism scheduling tools: simulate schedulers on a "
+        "workload, run the reference benchmark, fuzz the plan invariants. See docs/simulator.md.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate(sub)
     add_benchmark(sub)

@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# Set up the environment if needed, then run every test (unit, distributed, functional).
+# Set up the environment if needed, then run every test: tests/ and functional_tests/ (the latter
+# only when it holds test files, since pytest exits 5 on a directory without tests).
+# Extra arguments go to pytest, e.g. `bash scripts/run_tests.sh -x -k workloads`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-dirs=(tests)
-if find functional_tests -name 'test_*.py' 2>/dev/null | grep -q .; then dirs+=(functional_tests); fi
+
+dirs=()
+for dir in tests functional_tests; do
+  if [ -d "$dir" ] && find "$dir" -name 'test_*.py' -o -name '*_test.py' | grep -q .; then
+    dirs+=("$dir")
+  fi
+done
+if [ ${#dirs[@]} -eq 0 ]; then
+  echo "run_tests: no test files found under tests/ or functional_tests/" >&2
+  exit 1
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "${dirs[@]}" "$@"

@@ -1,18 +1,56 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh CPU machine (Python 3.11): .venv with torch 2.13.0 (CPU),
-# megatron-core 0.19.2 (declares Python>=3.12, so installed without its metadata checks) and
-# megatron_dcp in editable mode. See ../shared/CPU_BACKEND.md for why each step is needed.
+# Idempotent set-up on a fresh CPU machine (Python 3.11): creates .venv in the repository root with
+# torch 2.13.0 (CPU wheel), megatron-core 0.19.2 and megatron_dcp in editable mode, plus the test
+# tools. A second run only checks (≈1 s). Why each step (see shared/CPU_BACKEND.md):
+#   * torch first and pinned, so nothing later pulls a CUDA build;
+#   * megatron-core ≥0.17 declares Requires-Python ≥3.12 although its cp311 wheel works: install it
+#     with --ignore-requires-python --no-deps (its runtime deps, numpy and packaging, come first);
+#   * megatron_dcp with --no-deps, its other dependencies explicitly: `pip install -e .[test]` would
+#     re-resolve megatron-core and pick 0.16.1 (or fail) on Python 3.11.
+# Environment: PYTHON (interpreter that creates .venv, default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-VPY=.venv/bin/python
-if ! $VPY -c "import torch, megatron.core, pytest, hypothesis, matplotlib" 2>/dev/null \
-    && ! $VPY -c "import torch, pytest, hypothesis, matplotlib; import importlib.metadata as m; assert m.version('megatron-core') == '0.19.2'" 2>/dev/null; then
-  $VPY -m pip install -q --upgrade pip
-  $VPY -m pip install -q torch==2.13.0
-  $VPY -m pip install -q numpy 'packaging>=24.2'
-  $VPY -m pip install -q --ignore-requires-python --no-deps megatron-core==0.19.2
-  $VPY -m pip install -q pytest pytest-xdist pytest-timeout hypothesis matplotlib psutil typing_extensions
+
+VENV=.venv
+VPY="$VENV/bin/python"
+TEST_DEPS=(pytest pytest-xdist pytest-timeout hypothesis matplotlib psutil typing_extensions)
+
+environment_ready() {
+  # Run from / so that the source tree (and its egg-info) does not shadow the installed package.
+  local root="$PWD"
+  (cd / && "$root/$VPY" - "$root") <<'PY' 2>/dev/null
+import importlib.metadata as md, json, sys
+from packaging.version import Version
+assert md.version("torch").split("+")[0] == "2.13.0"
+assert md.version("megatron-core") == "0.19.2"
+assert Version(md.version("packaging")) >= Version("24.2")
+for name in ("numpy", "pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "matplotlib",
+             "psutil", "typing_extensions"):
+    md.version(name)
+url = json.loads(md.distribution("megatron-dcp").read_text("direct_url.json"))
+assert url["dir_info"].get("editable") and url["url"] == "file://" + sys.argv[1]
+PY
+}
+
+pip_install() {
+  "$VPY" -m pip install --quiet "$@"
+}
+
+if [ ! -x "$VPY" ]; then
+  echo "setup_env: creating $VENV with $(${PYTHON:-python3} --version)"
+  "${PYTHON:-python3}" -m venv "$VENV"
 fi
-$VPY -m pip install -q --no-deps -e .
+
+if environment_ready; then
+  echo "setup_env: $VENV is ready"
+  exit 0
+fi
+
+echo "setup_env: installing into $VENV (torch, megatron-core, test tools, megatron_dcp)"
+pip_install torch==2.13.0
+pip_install numpy 'packaging>=24.2'
+pip_install --ignore-requires-python --no-deps megatron-core==0.19.2
+pip_install "${TEST_DEPS[@]}"
+pip_install --no-deps -e .
+environment_ready || { echo "setup_env: the environment check still fails" >&2; exit 1; }
+echo "setup_env: $VENV is ready"

@@ -1,1 +1,1 @@
-"""Integration with megatron.core / megatron.training: the only package that touches their internals."""
+"""Integration with megatron.core / megatron.training: the only package touching their internals."""

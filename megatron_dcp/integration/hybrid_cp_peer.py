@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.plot import Cell, Panel, panel_title
-from megatron_dcp.scheduling.simulator import Report
+from megatron_dcp.scheduling.simulator import Report, fluid_lower_bound
 
 PEER_NAME = "megatron-0.19.2 BalancedCPScheduler"
 
@@ -69,6 +69,7 @@ class PeerSchedule:
         return dict(Counter(i for ids in self.sample_id_groups[group] for i in ids))
 
     def rank_loads(self, group: int, cost: CostModel) -> List[float]:
+        """Per-rank cost of one group: Σ over the rank's samples of ``per_rank(L, c)``."""
         sizes = self.cp_sizes(group)
         return [
             sum(cost.per_rank(self.seqlens[i], sizes[i]) for i in ids)
@@ -76,8 +77,11 @@ class PeerSchedule:
         ]
 
     def rank_tokens(self, group: int) -> List[float]:
+        """Per-rank tokens of one group: Σ over the rank's samples of ``L / c``."""
         sizes = self.cp_sizes(group)
-        return [sum(self.seqlens[i] / sizes[i] for i in ids) for ids in self.sample_id_groups[group]]
+        return [
+            sum(self.seqlens[i] / sizes[i] for i in ids) for ids in self.sample_id_groups[group]
+        ]
 
     def teams(self, group: int, cost: CostModel) -> List[PeerTeam]:
         """Ranks with identical sample lists in one group, in order of their first rank."""
@@ -104,6 +108,7 @@ def _scheduler_class() -> type:
 
 
 def peer_available() -> bool:
+    """True when megatron-core and its hybrid-CP scheduler can be imported."""
     try:
         _scheduler_class()
     except PeerUnavailable:
@@ -121,15 +126,6 @@ def schedule_peer(seqlens: Sequence[int], domain_size: int, budget: int) -> Peer
     return PeerSchedule(tuple(seqlens), groups, elapsed)
 
 
-def peer_lower_bound(seqlens: Sequence[int], domain: Domain, cost: CostModel) -> float:
-    """The same fluid lower bound as :func:`simulator.lower_bound`, so ratios are comparable."""
-    total = 0.0
-    for seqlen in seqlens:
-        size = domain.cp_degree(seqlen)
-        total += cost.per_rank(seqlen, size) * size
-    return total / domain.size
-
-
 def peer_report(schedule: PeerSchedule, domain: Domain, cost: CostModel) -> Report:
     """Score the peer's schedule with our cost model; see the module docstring."""
     groups = range(schedule.num_groups)
@@ -139,7 +135,7 @@ def peer_report(schedule: PeerSchedule, domain: Domain, cost: CostModel) -> Repo
     return Report(
         scheduler=PEER_NAME,
         critical_path=sum(max(schedule.rank_loads(g, cost)) for g in groups),
-        lower_bound=peer_lower_bound(schedule.seqlens, domain, cost),
+        lower_bound=fluid_lower_bound(schedule.seqlens, domain, cost),  # same as ours
         num_microbatches=max(passes, default=0),
         max_tokens_per_rank=max(tokens, default=0.0),
         mean_tokens_per_rank=sum(tokens) / len(tokens) if tokens else 0.0,
@@ -156,7 +152,9 @@ def check_peer_input(seqlens: Sequence[int], domain: Domain) -> None:
         raise ValueError(f"{PEER_NAME} cannot schedule empty (0-token) sequences; drop them.")
 
 
-def simulate_peer(seqlens: Sequence[int], domain: Domain, cost: CostModel) -> "tuple[Report, PeerSchedule]":
+def simulate_peer(
+    seqlens: Sequence[int], domain: Domain, cost: CostModel
+) -> Tuple[Report, PeerSchedule]:
     """Schedule with the peer and score it; raises :class:`PeerUnavailable` without megatron."""
     check_peer_input(seqlens, domain)
     schedule = schedule_peer(seqlens, domain.size, domain.budget)

@@ -17,16 +17,18 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from itertools import zip_longest
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.plan import Plan
+from megatron_dcp.scheduling.plan import InvalidPlanError, Plan
 from megatron_dcp.scheduling.registry import Scheduler, build_scheduler
 
 MAX_DOMAIN = 64
 MAX_SEQUENCES = 300
 MAX_BUDGET = 4096
 STORED_VIOLATIONS = 20
+STORED_PER_KIND = 4  # so that rarer kinds of violation get reproducers too
 SHRINK_CALLS = 400
 MESSAGE_CHARS = 160
 
@@ -343,6 +345,8 @@ def run_case(name: str, case: Case) -> Outcome:
     try:
         scheduler = build_scheduler(name, **case.kwargs())
         plan = scheduler.schedule(list(case.seqlens))
+    except InvalidPlanError as error:  # a ValueError, but the scheduler's fault
+        return Outcome(None, (f"schedule() built an invalid plan: {_short(error)}",))
     except ValueError as error:
         if expected is None:
             return Outcome(None, (f"ValueError on an input that has a plan: {_short(error)}",))
@@ -476,35 +480,49 @@ class SchedulerCounts:
 
 @dataclass
 class FuzzResult:
-    """Outcome of :func:`run_fuzz`; ``violations`` keeps the first few shrunk reproducers."""
+    """Outcome of :func:`run_fuzz`. ``violation_count`` counts every violation; reproducers (shrunk)
+    are kept for at most ``STORED_PER_KIND`` violations of each kind, ``STORED_VIOLATIONS`` in all.
+    """
 
     cases: int
-    violations: List[str] = field(default_factory=list)
     per_scheduler: Dict[str, SchedulerCounts] = field(default_factory=dict)
     skipped_invalid: int = 0
     violation_count: int = 0
     seconds: float = 0.0
     kinds: Dict[str, int] = field(default_factory=dict)
+    reproducers: Dict[str, List[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.violation_count == 0
 
-    def add_violation(self, text: str) -> None:
+    @property
+    def violations(self) -> List[str]:
+        """The stored reproducers, kinds taking turns (first of each kind first)."""
+        rounds = zip_longest(*self.reproducers.values())
+        return [text for round_ in rounds for text in round_ if text is not None]
+
+    def wants_reproducer(self, kind: str) -> bool:
+        stored = sum(map(len, self.reproducers.values()))
+        return stored < STORED_VIOLATIONS and len(self.reproducers.get(kind, ())) < STORED_PER_KIND
+
+    def add_violation(self, text: str, kind: str = "") -> None:
         self.violation_count += 1
-        if len(self.violations) < STORED_VIOLATIONS:
-            self.violations.append(text)
+        if self.wants_reproducer(kind):
+            self.reproducers.setdefault(kind, []).append(text)
 
     def merge(self, other: "FuzzResult") -> None:
         self.cases += other.cases
         self.skipped_invalid += other.skipped_invalid
         self.violation_count += other.violation_count
-        room = STORED_VIOLATIONS - len(self.violations)
-        self.violations.extend(other.violations[: max(0, room)])
         for name, counts in other.per_scheduler.items():
             self.per_scheduler.setdefault(name, SchedulerCounts()).merge(counts)
         for kind, count in other.kinds.items():
             self.kinds[kind] = self.kinds.get(kind, 0) + count
+        for kind, texts in other.reproducers.items():
+            for text in texts:
+                if self.wants_reproducer(kind):
+                    self.reproducers.setdefault(kind, []).append(text)
 
     def summary(self) -> str:
         lines = [
@@ -557,12 +575,13 @@ def _record(result: FuzzResult, name: str, case: Case, seed: int, index: int) ->
     counts.violations += 1
     kind = problem_kind(outcome.problems[0])
     result.kinds[f"{name}: {kind}"] = result.kinds.get(f"{name}: {kind}", 0) + 1
-    if len(result.violations) >= STORED_VIOLATIONS:
+    if not result.wants_reproducer(f"{name}: {kind}"):
         result.violation_count += 1  # counted, not stored: only stored ones are worth shrinking
         return
     small = shrink(case, lambda c: any(problem_kind(p) == kind for p in run_case(name, c).problems))
     detail = "; ".join(run_case(name, small).problems[:2]) or "; ".join(outcome.problems[:2])
-    result.add_violation(f"[seed {seed} case {index}] {name}: {detail} | {small.reproducer(name)}")
+    text = f"[seed {seed} case {index}] {name}: {detail} | {small.reproducer(name)}"
+    result.add_violation(text, f"{name}: {kind}")
 
 
 def _worker(args: Tuple[int, int, int, Tuple[str, ...], int]) -> FuzzResult:

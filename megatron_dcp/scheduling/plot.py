@@ -22,7 +22,7 @@ _VMIN = 0.5
 
 @dataclass(frozen=True)
 class Cell:
-    """One CP group in one row: positions ``[start, start + width)``, its per-rank load and CP size."""
+    """One CP group in one row: positions ``[start, start + width)``, per-rank load, CP size."""
 
     start: int
     width: int
@@ -38,7 +38,6 @@ class Panel:
     domain_size: int
     rows: Tuple[Tuple[Cell, ...], ...]
     row_label: str = "micro-batch"
-
 
 
 def panel_title(report: Report, rows: str = "micro-batches") -> str:
@@ -70,8 +69,13 @@ def _draw_cell(ax: Any, cell: Cell, row: int, colour: Sequence[float], label: bo
     ax.add_patch(box)
     if label:
         ax.text(
-            cell.start + cell.width / 2, row + 0.5, str(cell.cp_size), ha="center", va="center",
-            fontsize=7, color=_text_colour(colour),
+            cell.start + cell.width / 2,
+            row + 0.5,
+            str(cell.cp_size),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color=_text_colour(colour),
         )
 
 

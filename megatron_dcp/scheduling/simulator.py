@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.plan import MicroBatch, Plan
 from megatron_dcp.scheduling.registry import Scheduler
 
@@ -38,9 +39,13 @@ def critical_path(plan: Plan, cost: CostModel) -> float:
 def lower_bound(plan: Plan, cost: CostModel) -> float:
     """Fluid lower bound Σ_i W_i / N, with W_i the least total cost of sample i on any group it
     fits (its minimum CP size: the overhead of that size is unavoidable)."""
-    domain = plan.domain
+    return fluid_lower_bound(plan.seqlens, plan.domain, cost)
+
+
+def fluid_lower_bound(seqlens: Sequence[int], domain: Domain, cost: CostModel) -> float:
+    """:func:`lower_bound` from the lengths alone (for schedules that are not a :class:`Plan`)."""
     total = 0.0
-    for seqlen in plan.seqlens:
+    for seqlen in seqlens:
         size = domain.cp_degree(seqlen)
         total += cost.per_rank(seqlen, size) * size
     return total / domain.size
@@ -94,4 +99,12 @@ def simulate(scheduler: Scheduler, seqlens: Sequence[int]) -> Report:
     return report(scheduler.name, plan, scheduler.cost_model, elapsed)
 
 
-__all__ = ["Report", "critical_path", "lower_bound", "rank_loads", "report", "simulate"]
+__all__ = [
+    "Report",
+    "critical_path",
+    "fluid_lower_bound",
+    "lower_bound",
+    "rank_loads",
+    "report",
+    "simulate",
+]

@@ -260,15 +260,27 @@ class Workload:
 
 REFERENCE_WORKLOADS: Tuple[Workload, ...] = (
     Workload(
-        "lognormal", "log-normal, mean 1024, σ 1.5, 128–8192", 2, 4, 2048,
+        "lognormal",
+        "log-normal, mean 1024, σ 1.5, 128–8192",
+        2,
+        4,
+        2048,
         "lognormal:mean=1024,sigma=1.5,min=128,max=8192",
     ),
     Workload(
-        "rl-rollouts", "RL rollouts: log-normal median 4096, σ 0.8, ≤32K", 16, 4, 8192,
+        "rl-rollouts",
+        "RL rollouts: log-normal median 4096, σ 0.8, ≤32K",
+        16,
+        4,
+        8192,
         "lognormal:median=4096,sigma=0.8,max=32768",
     ),
     Workload(
-        "long-sft", "long-context SFT: 99% log-normal median 1024 + 1% 32K–256K", 4, 16, 16384,
+        "long-sft",
+        "long-context SFT: 99% log-normal median 1024 + 1% 32K–256K",
+        4,
+        16,
+        16384,
         "mixture:0.99*lognormal:median=1024,sigma=1.0|0.01*uniform:min=32768,max=262144",
     ),
     Workload("uniform", "uniform 1–32768", 4, 4, 4096, "uniform:min=1,max=32768"),
@@ -288,4 +300,6 @@ def summarize(lengths: Sequence[int]) -> str:
     """One line: count, total, mean, max."""
     total = sum(lengths)
     mean = total / len(lengths) if lengths else 0.0
-    return f"{len(lengths)} sequences, {total} tokens, mean {mean:.0f}, max {max(lengths, default=0)}"
+    return (
+        f"{len(lengths)} sequences, {total} tokens, mean {mean:.0f}, max {max(lengths, default=0)}"
+    )

@@ -30,7 +30,7 @@ from megatron_dcp.scheduling.default_dynamic_cp import (
 )
 from megatron_dcp.scheduling.domain import BUDGET_FLAG, MIN_CP_FLAG, Block
 from megatron_dcp.scheduling.draft import Item, group_of_items
-from megatron_dcp.scheduling.fuzz import check_plan
+from megatron_dcp.scheduling.fuzz import check_plan, min_bins_bounds, run_fuzz
 from megatron_dcp.scheduling.registry import VPP_FLAG
 
 NAMES = ("default_dynamic_cp", "dp_balanced")
@@ -550,3 +550,43 @@ def test_cp_size_for_respects_min_cp_and_the_domain():
 def test_cp_size_for_keeps_the_minimum_when_a_larger_group_costs_more():
     ctx = context(n=8, budget=1000, cost=CostModel(linear=1.0, quadratic=0.0, comm=10.0))
     assert cp_size_for(ctx, Item(0, 100, 1), target=0.0) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The fuzz harness itself
+# ------------------------------------------------------------------------------------------------
+
+
+def test_min_bins_bounds():
+    assert min_bins_bounds([], 10) == (0, 0)
+    assert min_bins_bounds([6, 6, 6], 10) == (3, 3)  # each > C/2
+    assert min_bins_bounds([5, 5, 5, 5], 10) == (2, 2)
+    # optimum 3 (4+3+3 three times); first-fit decreasing needs 4
+    assert min_bins_bounds([4, 4, 4, 3, 3, 3, 3, 3, 3], 10) == (3, 4)
+
+
+def test_run_fuzz_accounts_for_every_case():
+    result = run_fuzz(10, seed=3)
+    assert result.cases == 10 and len(result.violations) <= 20
+    for counts in result.per_scheduler.values():
+        assert counts.planned + counts.skipped_invalid + counts.violations == 10
+
+
+def test_run_fuzz_catches_and_shrinks_a_broken_scheduler(registered_names):
+    registered_names.append("test_unchecked_single_microbatch")
+
+    class UncheckedSingleMicroBatch(Scheduler, name="test_unchecked_single_microbatch"):
+        """Everything in one whole-domain group, ignoring the budget; skips validate()."""
+
+        def schedule(self, seqlens):
+            lengths = self.domain.check_seqlens(seqlens)
+            whole = CPGroup(tuple(range(self.domain.size)), tuple(range(len(lengths))))
+            microbatches = (MicroBatch((whole,)),) if lengths else ()
+            vpp = self.microbatch_group_size_per_vp_stage
+            return Plan(lengths, self.domain, microbatches, vpp)
+
+    result = run_fuzz(40, seed=1, schedulers=("test_unchecked_single_microbatch",))
+    assert result.violation_count > 0 and result.violations
+    assert any("tokens >" in text for text in result.violations)
+    reproducer = result.violations[0].split(" | ")[1]
+    assert reproducer.startswith("build_scheduler('test_unchecked_single_microbatch'")

@@ -1,0 +1,196 @@
+"""The ``megatron-dcp`` CLI (simulate, benchmark, fuzz), the plot and the megatron-core peer."""
+
+import json
+import subprocess
+import sys
+import types
+from collections import Counter
+
+import pytest
+
+from megatron_dcp import cli
+from megatron_dcp.integration import hybrid_cp_peer as peer
+from megatron_dcp.scheduling import build_cost_model
+from megatron_dcp.scheduling.domain import Domain
+
+SMALL = [
+    "simulate",
+    "--dp-size",
+    "2",
+    "--cp-size",
+    "2",
+    "--max-seqlen-per-dp-cp-rank",
+    "512",
+    "--distribution",
+    "uniform:min=1,max=1000",
+    "--num-sequences",
+    "24",
+]
+PEER_AVAILABLE = peer.peer_available()
+
+
+def run(capsys, argv):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_table(capsys):
+    code, out, _ = run(capsys, [*SMALL, "--no-peer"])
+    assert code == 0
+    for text in ("default_dynamic_cp", "dp_balanced", "critical path", "CP/LB", "plan ms"):
+        assert text in out
+    assert peer.PEER_NAME not in out
+
+
+def test_simulate_json(capsys):
+    code, out, _ = run(capsys, [*SMALL, "--no-peer", "--json", "--cost-model", "attention"])
+    data = json.loads(out)
+    assert code == 0 and data["cost_model"] == "attention" and data["num_sequences"] == 24
+    for result in data["results"]:
+        assert result["ratio"] >= 1 - 1e-9 and result["num_microbatches"] >= 1
+        assert result["max_tokens_per_rank"] <= 512
+
+
+def test_simulate_lengths_file_and_na_row(tmp_path, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text("# two sequences\n2000\n100\n")
+    argv = [
+        "simulate",
+        "--lengths",
+        str(path),
+        "--dp-size",
+        "2",
+        "--cp-size",
+        "2",
+        "--max-seqlen-per-dp-cp-rank",
+        "512",
+        "--no-peer",
+    ]
+    code, out, _ = run(capsys, argv)
+    assert code == 0
+    assert "n/a   dp_balanced: --max-seqlen-per-dp-cp-rank=512" in out
+    assert "default_dynamic_cp" in out.split("n/a")[0]
+
+
+def test_simulate_fails_when_no_scheduler_can_plan(tmp_path, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text("5000\n")
+    code, out, _ = run(
+        capsys,
+        [
+            "simulate",
+            "--lengths",
+            str(path),
+            "--dp-size",
+            "1",
+            "--cp-size",
+            "2",
+            "--max-seqlen-per-dp-cp-rank",
+            "512",
+        ],
+    )
+    assert code == 2 and "n/a" in out
+
+
+def test_bad_distribution_names_the_flag(capsys):
+    code, _, err = run(capsys, ["simulate", "--distribution", "normal:mean=3", "--no-peer"])
+    assert code == 2 and "--distribution='normal:mean=3'" in err
+
+
+@pytest.mark.parametrize("flag,value", [("--dp-size", "0"), ("--min-cp-size", "3")])
+def test_bad_layout_flags_are_argparse_errors(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["simulate", flag, value])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_simulate_with_peer_and_plot(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    code, out, _ = run(capsys, [*SMALL, "--plot", str(png)])
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if PEER_AVAILABLE:
+        assert f"{peer.PEER_NAME} " in out and "groups)" in out
+    else:
+        assert f"note  {peer.PEER_NAME}: omitted" in out
+
+
+def test_peer_is_omitted_without_megatron(monkeypatch, capsys):
+    def unavailable():
+        raise peer.PeerUnavailable("megatron-core is not installed or not importable")
+
+    monkeypatch.setattr(peer, "_scheduler_class", unavailable)
+    code, out, _ = run(capsys, SMALL)
+    assert code == 0 and f"note  {peer.PEER_NAME}: omitted: megatron-core" in out
+
+
+@pytest.mark.skipif(not PEER_AVAILABLE, reason="megatron-core not importable")
+def test_peer_report_is_consistent():
+    seqlens = [3000, 1500, 900, 700, 400, 300, 200, 100, 90, 50, 20, 10]
+    domain, cost = Domain(2, 2, 1024), build_cost_model("model")
+    result, schedule = peer.simulate_peer(seqlens, domain, cost)
+    runs = Counter(i for group in range(schedule.num_groups) for i in schedule.cp_sizes(group))
+    assert runs == Counter(range(len(seqlens)))  # every sample in exactly one group
+    assert result.critical_path >= result.lower_bound * (1 - 1e-12)
+    assert result.num_groups == schedule.num_groups
+    passes = [sum(len(g[r]) for g in schedule.sample_id_groups) for r in range(domain.size)]
+    assert result.num_microbatches == max(passes)
+    assert sum(result.cp_size_histogram.values()) == len(seqlens)
+
+
+def test_peer_rejects_empty_sequences():
+    with pytest.raises(ValueError, match="empty"):
+        peer.check_peer_input([5, 0], Domain(1, 2, 8))
+
+
+def test_benchmark_restricted(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "TIMING_LAYOUTS", ((2, 2, 40), (4, 2, 80)))
+    argv = ["benchmark", "--workload", "uniform", "--cost-model", "attention", "--quick"]
+    code, out, _ = run(capsys, argv)
+    assert code == 0
+    assert "uniform" in out and "n/a   dp_balanced" in out and "default_dynamic_cp" in out
+    assert "== plan time" in out and "dp 2 × cp 2" in out and "dp 4 × cp 2" not in out
+
+
+def test_benchmark_json(monkeypatch, capsys):
+    code, out, _ = run(
+        capsys, ["benchmark", "--workload", "4", "--no-timing", "--json", "--cost-model", "model"]
+    )
+    data = json.loads(out)
+    assert code == 0 and data["plan_time"] == [] and len(data["workloads"]) == 1
+    errors = [r for r in data["workloads"][0]["results"] if "error" in r]
+    assert [r["scheduler"] for r in errors] == ["dp_balanced"]
+
+
+def fake_fuzz(monkeypatch, violations):
+    module = types.ModuleType("megatron_dcp.scheduling.fuzz")
+    module.run_fuzz = lambda cases, seed: types.SimpleNamespace(cases=cases, violations=violations)
+    monkeypatch.setitem(sys.modules, "megatron_dcp.scheduling.fuzz", module)
+
+
+def test_fuzz_passes(monkeypatch, capsys):
+    fake_fuzz(monkeypatch, [])
+    code, out, _ = run(capsys, ["fuzz", "--cases", "7", "--seed", "3"])
+    assert code == 0 and "7 cases, 0 violations" in out
+
+
+def test_fuzz_fails_on_violations(monkeypatch, capsys):
+    fake_fuzz(monkeypatch, ["case 4: sample 2 appears twice"])
+    code, out, _ = run(capsys, ["fuzz", "--cases", "7"])
+    assert code == 1 and "1 violations" in out and "sample 2 appears twice" in out
+
+
+def test_render_table_alignment():
+    table = cli.render_table(("a", "bb"), [("xyz", "1"), ("q", "22")], "lr")
+    assert table.splitlines() == ["a    bb", "xyz   1", "q    22"]
+
+
+def test_scheduling_imports_neither_matplotlib_nor_megatron():
+    code = (
+        "import sys, megatron_dcp.cli, megatron_dcp.scheduling.plot, "
+        "megatron_dcp.scheduling.workloads, megatron_dcp.integration.hybrid_cp_peer;"
+        "bad = [m for m in ('matplotlib', 'megatron.core', 'torch') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
