@@ -1,0 +1,1 @@
+"""DCP runtime: torch + torch.distributed, no megatron internals (DESIGN.md, "Layers")."""

@@ -1,0 +1,164 @@
+"""Run one function on ``world_size`` fork-started CPU workers joined by a gloo process group.
+
+Why fork: workers inherit the parent's imports (megatron takes 6-8 s to import; spawn would pay
+that per rank). Why polling: a gloo failure aborts the worker (SIGABRT) instead of raising, and
+its peers then block in the next collective until their timeout, so the parent watches every
+child's exit code and tears the whole job down as soon as one dies, fails, or the deadline passes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+POLL_SECONDS = 0.02
+
+
+class DistributedTestError(RuntimeError):
+    """A worker raised, died, or the job ran past its deadline."""
+
+
+@dataclass(frozen=True)
+class _Job:
+    fn: Callable[..., Any]
+    world_size: int
+    store_path: str
+    collective_timeout_s: float
+    args: tuple
+    kwargs: dict
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    collective_timeout_s: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank.
+
+    Each worker has a gloo default group (FileStore in a temp dir), one torch thread, and always
+    tears down megatron's model-parallel state and the process group. Results travel back
+    pickled (tensors included). Raises ``DistributedTestError`` with the failing rank's traceback.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    with tempfile.TemporaryDirectory(prefix="dcp_dist_") as tmp:
+        job = _Job(fn, world_size, os.path.join(tmp, "store"), collective_timeout_s, args, kwargs)
+        return _run_job(job, timeout_s)
+
+
+def _run_job(job: _Job, timeout_s: float) -> list[Any]:
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(job.world_size)]
+    workers = [
+        ctx.Process(target=_worker_main, args=(job, rank, pipes[rank][1]), daemon=True)
+        for rank in range(job.world_size)
+    ]
+    for worker in workers:
+        worker.start()
+    for _, sender in pipes:
+        sender.close()
+    try:
+        return _collect(workers, [receiver for receiver, _ in pipes], timeout_s)
+    finally:
+        _terminate(workers)
+
+
+def _collect(workers: list, receivers: list[Connection], timeout_s: float) -> list[Any]:
+    """Poll until every rank has reported, failing fast on the first error, death or timeout."""
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    while len(results) < len(workers):
+        for rank, receiver in enumerate(receivers):
+            if rank not in results and receiver.poll():
+                results[rank] = _receive(rank, receiver)
+        for rank, worker in enumerate(workers):
+            if rank not in results and worker.exitcode is not None and not receivers[rank].poll():
+                raise DistributedTestError(
+                    f"rank {rank} died with exit code {worker.exitcode} before reporting "
+                    "(a negative code is a signal: gloo aborts with SIGABRT)"
+                )
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(workers))) - set(results))
+            raise DistributedTestError(f"timed out after {timeout_s:.0f} s; ranks {missing} hang")
+        time.sleep(POLL_SECONDS)
+    return [results[rank] for rank in range(len(workers))]
+
+
+def _receive(rank: int, receiver: Connection) -> Any:
+    try:
+        ok, payload = pickle.loads(receiver.recv_bytes())
+    except EOFError as error:
+        raise DistributedTestError(f"rank {rank} closed its pipe without a result") from error
+    if not ok:
+        raise DistributedTestError(f"rank {rank} raised:\n{payload}")
+    return payload
+
+
+def _terminate(workers: list) -> None:
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    for worker in workers:
+        worker.join(timeout=5)
+
+
+def _worker_main(job: _Job, rank: int, sender: Connection) -> None:
+    """Body of one worker: set up gloo, run the function, report, tear down, exit hard."""
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        _init_process_group(job, rank)
+        result = job.fn(rank, job.world_size, *job.args, **job.kwargs)
+        message = (True, result)
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        message = (False, traceback.format_exc())
+        code = 1
+    try:
+        sender.send_bytes(pickle.dumps(message))
+    except Exception:  # noqa: BLE001 - e.g. an unpicklable result
+        sender.send_bytes(pickle.dumps((False, traceback.format_exc())))
+        code = 1
+    finally:
+        _teardown()
+        sender.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # skip atexit handlers inherited from the parent (pytest's among them)
+
+
+def _init_process_group(job: _Job, rank: int) -> None:
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    store = dist.FileStore(job.store_path, job.world_size)
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=job.world_size,
+        timeout=datetime.timedelta(seconds=job.collective_timeout_s),
+    )
+
+
+def _teardown() -> None:
+    """Destroy megatron's model-parallel state (if megatron was used) and the process group."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    try:
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
