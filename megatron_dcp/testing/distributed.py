@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 POLL_SECONDS = 0.02
+# After a rank raises, how long to watch for a peer's death, the likelier root cause.
+DEATH_GRACE_SECONDS = 1.0
 
 
 class DistributedTestError(RuntimeError):
@@ -83,15 +85,15 @@ def _collect(workers: list, receivers: list[Connection], timeout_s: float) -> li
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     while len(results) < len(workers):
-        for rank, receiver in enumerate(receivers):
-            if rank not in results and receiver.poll():
-                results[rank] = _receive(rank, receiver)
-        for rank, worker in enumerate(workers):
-            if rank not in results and worker.exitcode is not None and not receivers[rank].poll():
-                raise DistributedTestError(
-                    f"rank {rank} died with exit code {worker.exitcode} before reporting "
-                    "(a negative code is a signal: gloo aborts with SIGABRT)"
-                )
+        for rank, (worker, receiver) in enumerate(zip(workers, receivers)):
+            if rank in results:
+                continue
+            try:
+                reported, payload = _poll(rank, worker, receiver)
+            except DistributedTestError as error:
+                _raise_root_cause(workers, error)
+            if reported:
+                results[rank] = payload
         if time.monotonic() > deadline:
             missing = sorted(set(range(len(workers))) - set(results))
             raise DistributedTestError(f"timed out after {timeout_s:.0f} s; ranks {missing} hang")
@@ -99,14 +101,41 @@ def _collect(workers: list, receivers: list[Connection], timeout_s: float) -> li
     return [results[rank] for rank in range(len(workers))]
 
 
-def _receive(rank: int, receiver: Connection) -> Any:
-    try:
-        ok, payload = pickle.loads(receiver.recv_bytes())
-    except EOFError as error:
-        raise DistributedTestError(f"rank {rank} closed its pipe without a result") from error
-    if not ok:
-        raise DistributedTestError(f"rank {rank} raised:\n{payload}")
-    return payload
+def _poll(rank: int, worker: Any, receiver: Connection) -> tuple[bool, Any]:
+    """``(True, result)`` once ``rank`` has reported, ``(False, None)`` while it runs; raises
+    ``DistributedTestError`` when it raised or died (closed its pipe without a message)."""
+    if receiver.poll():
+        try:
+            ok, payload = pickle.loads(receiver.recv_bytes())
+        except EOFError:
+            worker.join(timeout=5)
+            raise _death(rank, worker) from None
+        if not ok:
+            raise DistributedTestError(f"rank {rank} raised:\n{payload}")
+        return True, payload
+    if worker.exitcode is not None:
+        raise _death(rank, worker)
+    return False, None
+
+
+def _death(rank: int, worker: Any) -> DistributedTestError:
+    return DistributedTestError(
+        f"rank {rank} died with exit code {worker.exitcode} before reporting "
+        "(a negative code is a signal: gloo aborts with SIGABRT)"
+    )
+
+
+def _raise_root_cause(workers: list, error: DistributedTestError) -> None:
+    """A rank failed. When a peer died hard (a signal, not the harness's exit codes 0 and 1), that
+    death is the likelier cause (gloo's "connection closed by peer" can reach a survivor first),
+    so watch briefly for one and report it instead."""
+    grace = time.monotonic() + DEATH_GRACE_SECONDS
+    while time.monotonic() < grace:
+        for rank, worker in enumerate(workers):
+            if worker.exitcode not in (None, 0, 1):
+                raise _death(rank, worker) from error
+        time.sleep(POLL_SECONDS)
+    raise error
 
 
 def _terminate(workers: list) -> None:
