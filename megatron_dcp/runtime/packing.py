@@ -1,0 +1,187 @@
+"""THD packing and zigzag CP slicing of one CP group's samples for one rank of the group.
+
+Every rank of a CP group of size ``c`` packs the same samples in the same order. Each sequence is
+padded to a multiple of ``pad_multiple`` (padding: token 0, label 0, loss_mask 0, so it carries no
+loss) and cut into ``2c`` equal chunks; rank ``r`` keeps chunks ``r`` and ``2c-1-r`` (the layout
+Transformer Engine expects for THD + CP: it balances causal-attention work across the group).
+The local sequences are concatenated in order.
+
+Edge cases: zero-length samples are dropped (they carry neither tokens nor loss); a group left
+with no tokens packs one all-padding sequence of ``pad_multiple`` tokens, so every rank still runs
+a (loss-free) forward and backward and takes part in the collectives of its peers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+Sample = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    """One rank's share of a packed micro-batch.
+
+    ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` are ``[1, T_local]``;
+    ``position_ids`` are the positions of the local tokens inside their (padded) sequence.
+    ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded`` are global (whole sequences, int32);
+    ``max_seqlen`` is the longest padded sequence; ``num_tokens`` counts this rank's tokens that
+    carry loss (loss_mask != 0).
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    cp_size: int
+    cp_rank: int
+    num_tokens: int
+
+    @property
+    def num_local_tokens(self) -> int:
+        """T_local: tokens (real and padding) this rank holds."""
+        return int(self.tokens.shape[1])
+
+
+def padding_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """The length every sequence is padded to a multiple of: ``2·cp_size`` so it splits into the
+    ``2·cp_size`` zigzag chunks (1 without CP), times ``tp_size`` under sequence parallelism so
+    the local token count also splits over TP."""
+    if cp_size < 1 or tp_size < 1:
+        raise ValueError(f"cp_size and tp_size must be >= 1, got {cp_size} and {tp_size}")
+    base = 2 * cp_size if cp_size > 1 else 1
+    return base * (tp_size if sequence_parallel else 1)
+
+
+def padded_length(length: int, pad_multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``pad_multiple``."""
+    return -(-length // pad_multiple) * pad_multiple
+
+
+def local_token_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Indices, into the global padded packed sequence, of the tokens ``cp_rank`` holds, in local
+    order: for each sequence, chunk ``cp_rank`` then chunk ``2·cp_size-1-cp_rank``."""
+    bounds = cu_seqlens_padded.tolist()
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if cp_size == 1:
+            pieces.append(torch.arange(start, end))
+            continue
+        assert (end - start) % (2 * cp_size) == 0, "sequence not padded to 2·cp_size"
+        chunk = (end - start) // (2 * cp_size)
+        for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            pieces.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
+    if not pieces:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat(pieces)
+
+
+def zigzag_slice(
+    tensor: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 0
+) -> torch.Tensor:
+    """This rank's share of a globally packed (padded) tensor along ``dim``."""
+    indices = local_token_indices(cu_seqlens_padded, cp_size, cp_rank).to(tensor.device)
+    return tensor.index_select(dim, indices)
+
+
+def unzigzag(
+    parts: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, dim: int = 0
+) -> torch.Tensor:
+    """Inverse of ``zigzag_slice``: the global padded packed tensor from the shares of all
+    ``len(parts)`` ranks of the group (rank order)."""
+    cp_size = len(parts)
+    gathered = torch.cat(list(parts), dim=dim)
+    order = torch.cat(
+        [local_token_indices(cu_seqlens_padded, cp_size, rank) for rank in range(cp_size)]
+    )
+    assert order.numel() == gathered.shape[dim], "parts do not match cu_seqlens_padded"
+    return gathered.index_select(dim, torch.argsort(order).to(gathered.device))
+
+
+def _check_sample(index: int, sample: Sample) -> int:
+    """Length of a sample; raises ``ValueError`` on missing fields or unequal lengths."""
+    for name in FIELDS[:3]:
+        if name not in sample:
+            raise ValueError(f"sample {index} lacks '{name}' (needs tokens, labels, loss_mask)")
+    lengths = {name: int(sample[name].numel()) for name in FIELDS if name in sample}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"sample {index}: fields differ in length: {lengths}")
+    return lengths["tokens"]
+
+
+def _pad_sample(sample: Sample, length: int, padded: int) -> dict[str, torch.Tensor]:
+    """One sample's four fields padded to ``padded`` tokens (padding carries no loss)."""
+    extra = padded - length
+    positions = sample.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length)
+    return {
+        "tokens": _pad(sample["tokens"].reshape(-1).long(), extra, 0),
+        "labels": _pad(sample["labels"].reshape(-1).long(), extra, 0),
+        "loss_mask": _pad(sample["loss_mask"].reshape(-1).float(), extra, 0),
+        "position_ids": torch.cat(
+            [positions.reshape(-1).long(), torch.arange(length, padded, dtype=torch.long)]
+        ),
+    }
+
+
+def _pad(values: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
+    return torch.cat([values, values.new_full((extra,), fill)])
+
+
+def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
+    cumulative = [0]
+    for length in lengths:
+        cumulative.append(cumulative[-1] + length)
+    return torch.tensor(cumulative, dtype=torch.int32)
+
+
+def _padding_only(pad_multiple: int) -> dict[str, torch.Tensor]:
+    """The stand-in sequence of an empty group: all padding, no loss."""
+    return _pad_sample(
+        {name: torch.zeros(0) for name in FIELDS[:3]}, length=0, padded=pad_multiple
+    )
+
+
+def pack_samples(
+    samples: Sequence[Sample], cp_size: int, cp_rank: int, pad_multiple: int
+) -> PackedMicroBatch:
+    """Pack ``samples`` (dicts of equal-length 1-D tensors: ``tokens``, ``labels``,
+    ``loss_mask``, optionally ``position_ids``) as THD and keep rank ``cp_rank``'s zigzag share of
+    a CP group of size ``cp_size``. ``pad_multiple`` comes from ``padding_multiple``."""
+    _check_layout(cp_size, cp_rank, pad_multiple)
+    lengths = [_check_sample(index, sample) for index, sample in enumerate(samples)]
+    kept = [(s, n) for s, n in zip(samples, lengths) if n > 0]
+    padded = [_pad_sample(s, n, padded_length(n, pad_multiple)) for s, n in kept]
+    real = [n for _, n in kept]
+    if not padded:
+        padded, real = [_padding_only(pad_multiple)], [0]
+    cu_seqlens_padded = _cumulative([p["tokens"].numel() for p in padded])
+    local = local_token_indices(cu_seqlens_padded, cp_size, cp_rank)
+    fields = {name: torch.cat([p[name] for p in padded])[local].unsqueeze(0) for name in FIELDS}
+    return PackedMicroBatch(
+        **fields,
+        cu_seqlens=_cumulative(real),
+        cu_seqlens_padded=cu_seqlens_padded,
+        max_seqlen=int((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).max()),
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        num_tokens=int((fields["loss_mask"] != 0).sum()),
+    )
+
+
+def _check_layout(cp_size: int, cp_rank: int, pad_multiple: int) -> None:
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must lie in [0, cp_size), got {cp_rank} and {cp_size}")
+    if pad_multiple < 1 or (cp_size > 1 and pad_multiple % (2 * cp_size) != 0):
+        raise ValueError(
+            f"pad_multiple={pad_multiple} must be a positive multiple of 2·cp_size="
+            f"{2 * cp_size}; compute it with padding_multiple(cp_size, tp_size, sequence_parallel)"
+        )
