@@ -65,7 +65,9 @@ def padded_length(length: int, pad_multiple: int) -> int:
     return -(-length // pad_multiple) * pad_multiple
 
 
-def local_token_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def local_token_indices(
+    cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int
+) -> torch.Tensor:
     """Indices, into the global padded packed sequence, of the tokens ``cp_rank`` holds, in local
     order: for each sequence, chunk ``cp_rank`` then chunk ``2·cp_size-1-cp_rank``."""
     bounds = cu_seqlens_padded.tolist()

@@ -154,5 +154,6 @@ def _expected_global_tokens(full, ranks):
     expected = torch.zeros_like(full)
     for i in range(len(cu_real) - 1):
         real = cu_real[i + 1] - cu_real[i]
-        expected[cu_padded[i] : cu_padded[i] + real] = torch.arange(cu_real[i] + 1, cu_real[i + 1] + 1)
+        first = cu_real[i] + 1
+        expected[cu_padded[i] : cu_padded[i] + real] = torch.arange(first, first + real)
     return expected
