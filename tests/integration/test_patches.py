@@ -1,0 +1,164 @@
+"""The megatron patches: idempotence, version gate, switch and restore (also on exceptions), and
+the TE attention correction on a recording stand-in for TE's ``set_context_parallel_group``."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dcp.integration import patches
+from megatron_dcp.integration.megatron_import import import_megatron_core
+
+pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+
+STATIC = SimpleNamespace(name="static-cp", size=lambda: 2, rank=lambda: 0)
+DYNAMIC = SimpleNamespace(name="dcp-4", size=lambda: 4, rank=lambda: 1)
+
+
+def dcp_params(group, size):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", local_cp_size=size, cp_group=group)
+
+
+def test_apply_patches_is_idempotent_and_wraps_every_target():
+    patches.apply_patches()
+    targets = [getattr(*patch.target()) for patch in patches.PATCHES]
+    assert all(getattr(fn, patches.PATCH_MARK, False) for fn in targets)
+    assert patches.apply_patches() == []
+    assert [getattr(*patch.target()) for patch in patches.PATCHES] == targets
+
+
+def test_version_gate_rejects_other_megatron_versions(monkeypatch):
+    monkeypatch.setattr(patches, "megatron_version", lambda: (0, 20, 0))
+    with pytest.raises(RuntimeError, match="0.19"):
+        patches.check_version()
+
+
+def test_micro_batch_cp_group_rules():
+    assert patches.micro_batch_cp_group(None) is None
+    assert patches.micro_batch_cp_group(dcp_params(None, None)) is None  # static CP: unchanged
+    assert patches.micro_batch_cp_group(dcp_params(None, 1)) is patches.SOLO_GROUP
+    assert patches.micro_batch_cp_group(dcp_params(DYNAMIC, 4)) is DYNAMIC
+    with pytest.raises(ValueError, match="local_cp_size=4"):
+        patches.micro_batch_cp_group(dcp_params(None, 4))
+
+
+class Recorder:
+    """A module whose forward records the CP group it sees (stands in for megatron's)."""
+
+    def __init__(self):
+        self.pg_collection = SimpleNamespace(cp=STATIC, tp="tp")
+        self.cp_group = STATIC
+        self.seen = []
+
+    def forward(self, hidden, packed_seq_params=None, fail=False):
+        self.seen.append((self.pg_collection.cp, self.cp_group))
+        if fail:
+            raise RuntimeError("boom")
+        return hidden
+
+
+@pytest.mark.parametrize(
+    "swap,attr",
+    [(patches.swap_pg_collection_cp, "pg_collection"), (patches.swap_cp_group, "cp_group")],
+)
+def test_switching_switches_restores_and_restores_on_exception(swap, attr):
+    module = Recorder()
+    forward = patches.switching(Recorder.forward, swap)
+    shared = module.pg_collection
+    index = 0 if attr == "pg_collection" else 1
+
+    forward(module, "h", packed_seq_params=dcp_params(DYNAMIC, 4))
+    forward(module, "h", dcp_params(None, 1))  # positional packed_seq_params is found too
+    forward(module, "h", packed_seq_params=None)
+    assert [seen[index] for seen in module.seen] == [DYNAMIC, patches.SOLO_GROUP, STATIC]
+    with pytest.raises(RuntimeError, match="boom"):
+        forward(module, "h", packed_seq_params=dcp_params(DYNAMIC, 4), fail=True)
+    assert module.seen[-1][index] is DYNAMIC
+    assert module.pg_collection is shared and shared.cp is STATIC and module.cp_group is STATIC
+
+
+class FakeTEBase:
+    """Records TE's ``set_context_parallel_group`` calls and holds TE's CP state."""
+
+    def __init__(self):
+        self.cp_group, self.cp_global_ranks = STATIC, [0, 1]
+        self.cp_stream, self.cp_comm_type = "static-stream", "p2p"
+        self.set_calls = []
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type):
+        self.set_calls.append(cp_group)
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+
+
+def make_te_stand_in():
+    class StandInTEDotProductAttention(FakeTEBase):
+        """Reproduces 0.19.2's forward: switches to the micro-batch group, never restores."""
+
+        cp_stream = None
+
+        def forward(self, q, k, v, mask, mask_type, attention_bias=None, packed_seq_params=None):
+            if packed_seq_params is not None:
+                if packed_seq_params.cp_group is not None:
+                    self.cp_group = packed_seq_params.cp_group
+                    cls = StandInTEDotProductAttention
+                    super().set_context_parallel_group(self.cp_group, [9], cls.cp_stream, "p2p")
+                elif packed_seq_params.local_cp_size is not None:
+                    super().set_context_parallel_group(None, None, None, self.cp_comm_type)
+            self.ran_with = (self.cp_group, self.cp_stream)
+            if q == "fail":
+                raise RuntimeError("kernel failed")
+            return q
+
+    return StandInTEDotProductAttention
+
+
+def test_te_patch_restores_static_group_and_creates_cp_stream_lazily():
+    cls = make_te_stand_in()
+    assert patches.patch_te_attention(cls, make_stream=lambda: "lazy-stream")
+    assert not patches.patch_te_attention(cls, make_stream=lambda: "other")  # idempotent
+    module = cls()
+
+    module.forward("q", "k", "v", None, "causal", packed_seq_params=dcp_params(DYNAMIC, 4))
+    assert module.ran_with == (DYNAMIC, "lazy-stream") and cls.cp_stream == "lazy-stream"
+    assert (module.cp_group, module.cp_stream, module.cp_global_ranks) == (
+        STATIC,
+        "static-stream",
+        [0, 1],
+    )
+    module.forward("q", "k", "v", None, "causal", None, dcp_params(None, 1))
+    assert module.ran_with[0] is None and module.cp_group is STATIC
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        module.forward("fail", "k", "v", None, "causal", packed_seq_params=dcp_params(DYNAMIC, 4))
+    assert module.cp_group is STATIC and module.set_calls[-1] is STATIC
+
+
+def test_te_patch_leaves_static_cp_forward_alone():
+    cls = make_te_stand_in()
+    patches.patch_te_attention(cls, make_stream=lambda: "lazy-stream")
+    module = cls()
+    module.forward("q", "k", "v", None, "causal", packed_seq_params=None)
+    assert module.set_calls == [] and cls.cp_stream is None and module.ran_with[0] is STATIC
+
+
+def test_mamba_context_parallel_is_rebuilt_for_the_micro_batch_group():
+    static = SimpleNamespace(
+        **{name: name for name in ("conv1d_weight_cp1", "conv1d_bias_cp1", "dt_bias_cp1")},
+        A_log_cp1="A",
+        D_cp1="D",
+        D_has_hdim=False,
+        d_inner_local_tp=16,
+        nheads_local_tp=4,
+        ngroups_local_tp=4,
+        d_state=8,
+        conv1d_padding=3,
+    )
+    mixer = SimpleNamespace(cp=static)
+    with patches.swap_mamba_context_parallel(mixer, DYNAMIC):
+        rebuilt = mixer.cp
+        assert rebuilt.cp_group is DYNAMIC and rebuilt.cp_size == 4
+        assert rebuilt.nheads_local_tpcp == 1
+    assert mixer.cp is static
+    with patches.swap_mamba_context_parallel(mixer, DYNAMIC):
+        assert mixer.cp is rebuilt  # cached per group
