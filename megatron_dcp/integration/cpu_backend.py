@@ -4,7 +4,9 @@ Each shim names the megatron behaviour it corrects (see CPU_BACKEND.md, "What br
 
 * ``_CudaToCpuMode``: rotary embeddings, the default causal mask, the pipeline schedules, p2p
   communication and the DDP buffers allocate with ``device="cuda"`` / ``.cuda()`` /
-  ``.to("cuda")``; a global ``TorchFunctionMode`` rewrites those devices to the CPU.
+  ``.to("cuda")``; a global ``TorchFunctionMode`` rewrites those devices to the CPU. It also drops
+  ``pin_memory=True`` / ``tensor.pin_memory()`` (non-packed CP RoPE slicing,
+  ``get_pos_emb_on_this_cp_rank``), which raise without an accelerator.
 * ``torch.cuda.current_device`` is used as a device argument in ~90 places: it answers ``"cpu"``.
 * ``torch.cuda.synchronize`` / ``Stream`` / ``Event`` / ``current_stream`` / ``stream``: DDP's
   bucket bookkeeping and the schedules order work on CUDA streams; on CPU everything is already
@@ -42,14 +44,16 @@ def _to_cpu_device(value: Any) -> Any:
 
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites cuda devices to cpu in every torch call: ``device=`` keyword arguments, device
-    positional arguments (``tensor.to("cuda")``) and ``tensor.cuda()``."""
+    positional arguments (``tensor.to("cuda")``) and ``tensor.cuda()``; no pinned memory."""
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
         if "device" in kwargs:
             kwargs = dict(kwargs, device=_to_cpu_device(kwargs["device"]))
         if func is torch.Tensor.to:

@@ -1,0 +1,340 @@
+"""Fixtures for integration tests: a tiny megatron GPT on CPU, identical weights in every layout,
+and the single-process oracle every distributed layout is compared with.
+
+Every parameter is initialised from its *global* name (``decoder.layers.<global index>...``) and a
+seed, as the full tensor, then cut to this rank's TP shard; so a tp·pp·vpp·cp layout starts from
+exactly the weights of the single-process model. (No gated linear unit: its TP shard is not a
+contiguous slice of the full weight.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.integration.attention import reference_layer_spec, with_core_attention
+from megatron_dcp.integration.cpu_backend import enable_cpu_backend
+from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
+from megatron_dcp.testing.distributed import run_distributed
+
+import_megatron_core()
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+Sample = dict[str, torch.Tensor]
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyGPTOptions:
+    """Model shape shared by the distributed layouts and the single-process reference."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: int = 128
+    vocab_size: int = 128
+    max_sequence_length: int = 512
+    mtp_layers: int = 0
+    seed: int = 1234
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceResult:
+    """Summed loss, number of loss-carrying tokens and full gradients by global parameter name."""
+
+    loss_sum: float
+    num_tokens: int
+    grads: dict[str, torch.Tensor] = dataclasses.field(repr=False)
+
+
+def init_megatron(
+    tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None, seed: int = 1234
+) -> None:
+    """Megatron model-parallel state on an initialised (gloo) default group, CPU shims on, RNG
+    seeded. ``parallel_state.destroy_model_parallel()`` afterwards (``run_distributed`` does)."""
+    enable_cpu_backend()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def tiny_gpt_config(
+    tp: int, pp: int, cp: int, vpp: Optional[int], options: TinyGPTOptions
+) -> TransformerConfig:
+    """fp32, CPU-initialised, no dropout; variable sequence lengths per micro-batch (which needs
+    the alltoall dispatcher setting even for dense models, CPU_BACKEND.md)."""
+    return TransformerConfig(
+        num_layers=options.num_layers,
+        hidden_size=options.hidden_size,
+        num_attention_heads=options.num_attention_heads,
+        num_query_groups=options.num_query_groups,
+        ffn_hidden_size=options.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        mtp_num_layers=options.mtp_layers or None,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=True,
+    )
+
+
+def build_tiny_gpt(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: Optional[int] = None,
+    mtp_layers: int = 0,
+    options: Optional[TinyGPTOptions] = None,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage) of the tiny GPT, after ``init_megatron``
+    with the same layout; weights are the same in every layout (module docstring)."""
+    options = options or TinyGPTOptions()
+    if mtp_layers:
+        options = dataclasses.replace(options, mtp_layers=mtp_layers)
+    config = tiny_gpt_config(tp, pp, cp, vpp, options)
+    chunks = [_build_chunk(config, options, stage) for stage in _vp_stages(vpp)]
+    for chunk in chunks:
+        init_from_global_names(chunk, options.seed)
+    return chunks
+
+
+def _vp_stages(vpp: Optional[int]) -> list[Optional[int]]:
+    return [None] if vpp is None else list(range(vpp))
+
+
+def _build_chunk(
+    config: TransformerConfig, options: TinyGPTOptions, stage: Optional[int]
+) -> GPTModel:
+    ignore_virtual = stage is None
+    layer_spec = reference_layer_spec()
+    mtp_spec = None
+    if options.mtp_layers:
+        mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, False, vp_stage=stage)
+        mtp_spec = with_core_attention(mtp_spec)  # the MTP layers copy the decoder's layer spec
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=options.vocab_size,
+        max_sequence_length=options.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual, vp_stage=stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual, vp_stage=stage),
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        mtp_block_spec=mtp_spec,
+        vp_stage=stage,
+    )
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Local parameter name -> name in the single-process model (PP stages renumber layers)."""
+    model = unwrap(model)
+    names = {}
+    for name, _ in model.named_parameters():
+        match = _LAYER_NAME.match(name)
+        if match:
+            layer = model.decoder.layers[int(match.group(1))]
+            name_global = f"decoder.layers.{layer.layer_number - 1}.{name[match.end():]}"
+        else:
+            name_global = name
+        names[name] = name_global
+    return names
+
+
+def _full_shape(param: torch.Tensor, tp: int) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return shape
+
+
+def _full_init(global_name: str, shape: list[int], seed: int) -> torch.Tensor:
+    """The full tensor of a parameter: a function of its global name and the seed only."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+    values = torch.randn(shape, generator=generator)
+    if len(shape) == 1 and "norm" in global_name:
+        return 1.0 + 0.1 * values
+    return 0.1 * values
+
+
+def _tp_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return full.chunk(tp, dim=param.partition_dim)[rank]
+
+
+@torch.no_grad()
+def init_from_global_names(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter with this rank's shard of its name-determined full tensor."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    names = global_parameter_names(model)
+    for name, param in unwrap(model).named_parameters():
+        full = _full_init(names[name], _full_shape(param, tp), seed)
+        param.copy_(_tp_shard(full, param))
+
+
+def _param_grad(param: torch.Tensor) -> torch.Tensor:
+    grad = getattr(param, "main_grad", None)
+    if grad is None:
+        grad = param.grad
+    return torch.zeros_like(param) if grad is None else grad.detach()
+
+
+def _gather_tp(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def gather_full_tensors(
+    chunks: Sequence[torch.nn.Module],
+    select: Callable[[torch.Tensor], torch.Tensor] = _param_grad,
+    reduce_dp_cp: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors by global name, on every rank: ``select(param)`` (default: the
+    gradient, ``main_grad`` under DDP), summed over the DP×CP group when ``reduce_dp_cp`` (each
+    rank's gradient covers its own tokens), gathered over TP and merged over PP. A name present on
+    several PP stages (embedding copies) is summed. Collective over the whole world."""
+    local: dict[str, torch.Tensor] = {}
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for chunk in chunks:
+        names = global_parameter_names(chunk)
+        for name, param in unwrap(chunk).named_parameters():
+            tensor = select(param).clone()
+            if reduce_dp_cp:
+                dist.all_reduce(tensor, group=dp_cp)
+            local[names[name]] = _gather_tp(tensor, param)
+    return _merge_pipeline_stages(local)
+
+
+def _merge_pipeline_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, local, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, tensor in stage.items():
+            merged[name] = merged[name] + tensor if name in merged else tensor
+    return merged
+
+
+def packed_seq_params(
+    packed: PackedMicroBatch, cp_group: Optional[dist.ProcessGroup] = None
+) -> PackedSeqParams:
+    """THD ``PackedSeqParams`` of a packed micro-batch (``cp_group`` None: the static group)."""
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=packed.cu_seqlens,
+        cu_seqlens_kv=packed.cu_seqlens,
+        cu_seqlens_q_padded=packed.cu_seqlens_padded,
+        cu_seqlens_kv_padded=packed.cu_seqlens_padded,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+        local_cp_size=packed.cp_size,
+        cp_group=cp_group,
+    )
+
+
+def packed_loss_and_backward(
+    model: torch.nn.Module, samples: Sequence[Sample], tp: int = 1
+) -> tuple[torch.Tensor, int]:
+    """Forward + backward of one packed micro-batch on the static CP group (no PP): this rank's
+    summed loss (detached) and loss-carrying token count."""
+    cp_group = parallel_state.get_context_parallel_group()
+    cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    packed = pack_samples(samples, cp_size, cp_rank, padding_multiple(cp_size, tp))
+    losses = model(
+        input_ids=packed.tokens,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        labels=packed.labels,
+        packed_seq_params=packed_seq_params(packed),
+    )
+    loss = (losses * packed.loss_mask).sum()
+    loss.backward()
+    return loss.detach(), packed.num_tokens
+
+
+def unpacked_loss_and_backward(
+    model: torch.nn.Module, samples: Sequence[Sample]
+) -> tuple[float, int]:
+    """The oracle: every sample on its own (sbhd, batch 1, no padding, no CP); summed loss over
+    samples and token count, gradients accumulated."""
+    total, tokens = 0.0, 0
+    for sample in samples:
+        if sample["tokens"].numel() == 0:
+            continue
+        losses = model(
+            input_ids=sample["tokens"].view(1, -1),
+            position_ids=torch.arange(sample["tokens"].numel()).view(1, -1),
+            attention_mask=None,
+            labels=sample["labels"].view(1, -1),
+        )
+        loss = (losses * sample["loss_mask"].view(1, -1)).sum()
+        loss.backward()
+        total += loss.item()
+        tokens += int((sample["loss_mask"] != 0).sum())
+    return total, tokens
+
+
+def _reference_worker(
+    rank: int, world_size: int, samples: Sequence[Sample], options: TinyGPTOptions
+) -> ReferenceResult:
+    init_megatron(seed=options.seed)
+    (model,) = build_tiny_gpt(options=options)
+    loss_sum, num_tokens = unpacked_loss_and_backward(model, samples)
+    return ReferenceResult(loss_sum, num_tokens, gather_full_tensors([model]))
+
+
+def single_process_reference(
+    samples: Sequence[Sample], options: Optional[TinyGPTOptions] = None
+) -> ReferenceResult:
+    """Summed loss, token count and full gradients of the tiny GPT on ``samples``, one process,
+    no parallelism, no packing (run in a one-rank job so the caller's state is untouched)."""
+    (result,) = run_distributed(_reference_worker, 1, list(samples), options or TinyGPTOptions())
+    return result
+
+
+def make_samples(lengths: Sequence[int], vocab_size: int = 128, seed: int = 0) -> list[Sample]:
+    """Random samples (labels = next token, a few masked positions) of the given lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for length in lengths:
+        stream = torch.randint(1, vocab_size, (length + 1,), generator=generator)
+        loss_mask = (torch.rand(length, generator=generator) > 0.1).float()
+        samples.append({"tokens": stream[:-1], "labels": stream[1:], "loss_mask": loss_mask})
+    return samples

@@ -1,0 +1,218 @@
+"""CPU backend shims, the tiny-GPT fixtures, and the headline check: a megatron GPT on packed THD
+samples with static CP (cp2, tp2·cp2) equals the single-process, un-packed, no-CP run."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.integration.attention import ReferenceCoreAttention, with_core_attention
+from megatron_dcp.integration.cpu_backend import (
+    cpu_backend_enabled,
+    disable_cpu_backend,
+    enable_cpu_backend,
+)
+from megatron_dcp.runtime.packing import zigzag_slice
+from megatron_dcp.testing import run_distributed
+from megatron_dcp.testing.gpt import (
+    TinyGPTOptions,
+    build_tiny_gpt,
+    gather_full_tensors,
+    init_megatron,
+    make_samples,
+    packed_loss_and_backward,
+    parallel_state,
+    single_process_reference,
+    tiny_gpt_config,
+)
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend only without CUDA")
+
+LENGTHS = [13, 5, 32, 1, 20, 0]
+
+
+@pytest.fixture
+def cpu_backend():
+    """The shims for one test; removed afterwards unless they were already on."""
+    was_enabled = cpu_backend_enabled()
+    yield enable_cpu_backend()
+    if not was_enabled:
+        disable_cpu_backend()
+
+
+def test_cuda_devices_become_cpu(cpu_backend):
+    assert cpu_backend and enable_cpu_backend()  # idempotent
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.arange(3, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.ones(2).cuda().device.type == "cpu"
+    assert not torch.tensor([1], pin_memory=True, device="cuda").is_pinned()
+    assert torch.ones(2).to("cuda").device.type == "cpu"
+    assert torch.ones(2).to(device=torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_streams_events_and_synchronize_are_no_ops(cpu_backend):
+    stream = torch.cuda.Stream()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.stream(stream):
+        event = torch.cuda.Event()
+        event.record()
+    event.synchronize()
+    torch.cuda.synchronize()
+
+
+def test_cuda_rng_is_the_cpu_generator(cpu_backend):
+    torch.cuda.manual_seed(3)
+    state = torch.cuda.get_rng_state()
+    first = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(first, torch.rand(4))
+
+
+def test_disable_restores_torch_cuda():
+    was_enabled = cpu_backend_enabled()
+    enable_cpu_backend()
+    disable_cpu_backend()
+    assert not cpu_backend_enabled()
+    assert torch.cuda.current_device.__module__ == "torch.cuda"
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
+    if was_enabled:
+        enable_cpu_backend()
+
+
+def _seeded_tracker(rank, world_size):
+    """megatron's rng tracker seeds, forks and restores (through the CPU generator)."""
+    from megatron.core import tensor_parallel
+
+    init_megatron(seed=7)
+    before = torch.get_rng_state()
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        inside = torch.rand(3)
+    assert torch.equal(before, torch.get_rng_state())
+    return inside
+
+
+def test_model_parallel_cuda_manual_seed_works_on_cpu():
+    first, second = run_distributed(_seeded_tracker, 1)[0], run_distributed(_seeded_tracker, 1)[0]
+    assert torch.equal(first, second)
+
+
+def _full_weights(rank, world_size, tp, pp, vpp):
+    init_megatron(tp=tp, pp=pp, vpp=vpp)
+    chunks = build_tiny_gpt(tp=tp, pp=pp, vpp=vpp, options=TinyGPTOptions(num_layers=4))
+    return gather_full_tensors(chunks, select=lambda p: p.detach(), reduce_dp_cp=False)
+
+
+@pytest.mark.parametrize("tp,pp,vpp", [(2, 2, None), (1, 2, 2)], ids=["tp2pp2", "pp2vpp2"])
+def test_every_layout_starts_from_the_same_weights(tp, pp, vpp):
+    (single,) = run_distributed(_full_weights, 1, 1, 1, None)
+    sharded = run_distributed(_full_weights, tp * pp, tp, pp, vpp)[0]
+    assert set(sharded) == set(single)
+    for name, tensor in single.items():
+        assert torch.equal(sharded[name], tensor), name
+
+
+def _packed_static_cp(rank, world_size, samples, tp, cp, options):
+    init_megatron(tp=tp, cp=cp, seed=options.seed)
+    (model,) = build_tiny_gpt(tp=tp, cp=cp, options=options)
+    loss, tokens = packed_loss_and_backward(model, samples, tp)
+    totals = torch.tensor([loss.item(), float(tokens)], dtype=torch.float64)
+    dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
+    return totals[0].item(), int(totals[1].item()), gather_full_tensors([model])
+
+
+def _assert_matches(result, reference):
+    loss, tokens, grads = result
+    assert tokens == reference.num_tokens
+    assert loss == pytest.approx(reference.loss_sum, rel=1e-5)
+    assert set(grads) == set(reference.grads)
+    for name, expected in reference.grads.items():
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize(
+    "tp,cp,query_groups", [(1, 2, None), (2, 2, None), (1, 2, 2)], ids=["cp2", "tp2cp2", "cp2gqa"]
+)
+def test_packed_static_cp_equals_single_process(tp, cp, query_groups):
+    options = TinyGPTOptions(num_query_groups=query_groups)
+    samples = make_samples(LENGTHS)
+    reference = single_process_reference(samples, options)
+    results = run_distributed(_packed_static_cp, tp * cp, samples, tp, cp, options)
+    for result in results:
+        _assert_matches(result, reference)
+
+
+def _unpacked_static_cp(rank, world_size, samples, cp, options):
+    """Megatron's non-packed CP: each batch row one sequence, zigzag-sliced; no PackedSeqParams."""
+    init_megatron(cp=cp, seed=options.seed)
+    (model,) = build_tiny_gpt(cp=cp, options=options)
+    cp_rank = parallel_state.get_context_parallel_rank()
+    cu = torch.tensor([0, samples[0]["tokens"].numel()], dtype=torch.int32)
+    local = {
+        key: torch.stack([zigzag_slice(sample[key], cu, cp, cp_rank) for sample in samples])
+        for key in samples[0]
+    }
+    positions = zigzag_slice(torch.arange(int(cu[1])), cu, cp, cp_rank).expand_as(local["tokens"])
+    losses = model(local["tokens"], positions, None, labels=local["labels"])
+    loss = (losses * local["loss_mask"]).sum()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    return total.item(), gather_full_tensors([model])
+
+
+def test_unpacked_static_cp_equals_single_process():
+    options = TinyGPTOptions()
+    samples = make_samples([16, 16])
+    reference = single_process_reference(samples, options)
+    loss, grads = run_distributed(_unpacked_static_cp, 2, samples, 2, options)[0]
+    _assert_matches((loss, reference.num_tokens, grads), reference)
+
+
+def _module_classes(spec):
+    """Every module class named anywhere in a spec tree."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, (list, tuple)):
+        return [m for item in spec for m in _module_classes(item)]
+    if isinstance(spec, ModuleSpec):
+        return [spec.module] + _module_classes(spec.submodules)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return [m for f in dataclasses.fields(spec) for m in _module_classes(getattr(spec, f.name))]
+    return [spec] if isinstance(spec, type) else []
+
+
+def _mtp_spec_classes(rank, world_size):
+    """Module classes of the local MTP block spec, before and after patching; and of a built
+    tiny GPT with one MTP layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    init_megatron()
+    config = tiny_gpt_config(1, 1, 1, None, TinyGPTOptions(mtp_layers=1))
+    mtp_spec = get_gpt_mtp_block_spec(config, get_gpt_layer_local_spec(), False)
+    (model,) = build_tiny_gpt(mtp_layers=1)
+    built = {type(module) for module in model.mtp.modules()}
+    return _module_classes(mtp_spec), _module_classes(with_core_attention(mtp_spec)), built
+
+
+def test_mtp_block_spec_gets_reference_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original, patched, built = run_distributed(_mtp_spec_classes, 1)[0]
+    assert DotProductAttention in original
+    assert DotProductAttention not in patched and ReferenceCoreAttention in patched
+    assert ReferenceCoreAttention in built and DotProductAttention not in built
+
+
+def test_reference_attention_rejects_dropout():
+    config = tiny_gpt_config(1, 1, 1, None, TinyGPTOptions())
+    config.attention_dropout = 0.1
+    from megatron.core.transformer.enums import AttnMaskType
+
+    with pytest.raises(ValueError, match="attention-dropout"):
+        ReferenceCoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=object())
