@@ -147,6 +147,11 @@ def _thd_attention(
     scale = softmax_scale if softmax_scale is not None else query.shape[-1] ** -0.5
     cp_size = group_size(cp_group)
     cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    if query.shape[0] * cp_size != int(cu_seqlens_padded[-1]):
+        raise ValueError(
+            f"{query.shape[0]} local tokens on a CP group of {cp_size} do not match "
+            f"cu_seqlens_padded[-1]={int(cu_seqlens_padded[-1])} (wrong CP group or layout?)"
+        )
     full_key = _repeat_kv(gather_sequence_tokens(key, cu_seqlens_padded, cp_group), query.shape[1])
     full_value = _repeat_kv(
         gather_sequence_tokens(value, cu_seqlens_padded, cp_group), query.shape[1]

@@ -131,11 +131,13 @@ def _assert_matches(result, reference):
 
 
 @pytest.mark.parametrize(
-    "tp,cp,query_groups", [(1, 2, None), (2, 2, None), (1, 2, 2)], ids=["cp2", "tp2cp2", "cp2gqa"]
+    "tp,cp,query_groups,lengths",
+    [(1, 2, None, LENGTHS), (2, 2, None, LENGTHS), (1, 2, 2, LENGTHS), (1, 2, None, [0])],
+    ids=["cp2", "tp2cp2", "cp2gqa", "cp2empty"],
 )
-def test_packed_static_cp_equals_single_process(tp, cp, query_groups):
+def test_packed_static_cp_equals_single_process(tp, cp, query_groups, lengths):
     options = TinyGPTOptions(num_query_groups=query_groups)
-    samples = make_samples(LENGTHS)
+    samples = make_samples(lengths)
     reference = single_process_reference(samples, options)
     results = run_distributed(_packed_static_cp, tp * cp, samples, tp, cp, options)
     for result in results:

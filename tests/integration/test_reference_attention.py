@@ -105,3 +105,9 @@ def test_cp_equals_single_process_forward_and_backward(world_size, cp_size, kv_h
         for index, expected in enumerate(expected_grads):
             grad = unzigzag([grads[index] for _, grads in group], cu_padded)
             torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layout_mismatch_is_a_clear_error():
+    q, k, v, _ = _inputs(8, HEADS)
+    with pytest.raises(ValueError, match="cu_seqlens_padded"):
+        thd_attention(q, k, v, _cu([16]))
