@@ -1,0 +1,221 @@
+"""The DCP forward-backward wrapper around megatron's pipeline schedules.
+
+``DCPForwardBackward(get_forward_backward_func(), ...)`` is called exactly like the function it
+wraps. Once per global batch it
+
+1. takes this DP rank's samples of the global batch from the data iterator
+   (``num_microbatches × micro_batch_size`` of them: what megatron itself would consume),
+2. exchanges the lengths over DP and plans the batch (every rank computes the same plan),
+3. routes the samples so that each rank holds exactly those of its CP groups (all-to-all),
+4. packs each micro-batch of this rank as THD with zigzag CP slicing and a ``PackedSeqParams``
+   that names the micro-batch's CP group,
+5. runs the real schedule (no pipelining, 1F1B or interleaved VPP) on those micro-batches.
+
+The forward step receives one :data:`Batch` dict per micro-batch from its iterator. Losses must
+be per-token sums (``calculate_per_token_loss``): the schedule then divides the gradients by the
+global token count, which is right whatever CP group or micro-batch count a rank ran.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_dcp.runtime.exchange import GlobalLengths, RoutedSamples, gather_lengths, route_samples
+from megatron_dcp.runtime.groups import DCPGroups
+from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
+from megatron_dcp.scheduling import Plan
+from megatron_dcp.scheduling.registry import Scheduler
+
+Sample = Dict[str, torch.Tensor]
+Batch = Dict[str, Any]
+SAMPLE_KEYS = ("tokens", "labels", "loss_mask")
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """DCP figures of one global batch (for logging and FLOPs accounting)."""
+
+    num_microbatches: int
+    cp_size_histogram: Dict[int, int]
+    plan_time_s: float
+    sum_seqlen: int
+    sum_seqlen_squared: int
+    local_tokens: int
+    bytes_received: int
+
+
+@dataclass
+class DCPForwardBackward:
+    """Wraps a megatron forward-backward function (see the module docstring).
+
+    ``position`` is this rank's index in the DP×CP domain; ``dp_group`` joins the ranks that
+    hold different samples (same CP rank, different DP rank); ``domain_group`` is the DP×CP group.
+    """
+
+    forward_backward_func: Callable[..., Any]
+    scheduler: Scheduler
+    groups: DCPGroups
+    dp_group: Any
+    domain_group: Any
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    stats: List[BatchStats] = field(default_factory=list)
+
+    def __call__(
+        self,
+        *,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        seq_length: int = 0,
+        micro_batch_size: int = 1,
+        **kwargs: Any,
+    ) -> Any:
+        samples = take_samples(first_iterator(data_iterator), num_microbatches * micro_batch_size)
+        batches = self.prepare(samples)
+        set_variable_seq_lengths(model)
+        return self.forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=iterators_like(data_iterator, batches),
+            model=model,
+            num_microbatches=len(batches),
+            seq_length=max((b["tokens"].shape[-1] for b in batches), default=0),
+            micro_batch_size=1,
+            **kwargs,
+        )
+
+    def prepare(self, samples: Sequence[Sample]) -> List[Batch]:
+        """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch."""
+        lengths = gather_lengths([sample_length(s) for s in samples], self.dp_group)
+        start = time.perf_counter()
+        plan = self.scheduler.schedule(lengths.seqlens)
+        plan_time = time.perf_counter() - start
+        routed = self.route(plan, lengths, samples)
+        batches = [self.pack(plan, index, routed.samples) for index in range(plan.num_microbatches)]
+        self.stats.append(batch_stats(plan, plan_time, batches, routed.bytes_received))
+        return batches
+
+    def route(self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample]) -> RoutedSamples:
+        """Step 3: send and receive samples so that this rank holds those of its groups."""
+        ids = lengths.ids_of(torch.distributed.get_rank(self.dp_group))
+        local = dict(zip(ids, samples))
+        return route_samples(
+            plan, local, self.groups.position, self.domain_group, lengths.owner_of
+        )
+
+    def pack(self, plan: Plan, index: int, samples: Mapping[int, Sample]) -> Batch:
+        """Step 4: this rank's share of micro-batch ``index``."""
+        group = plan.microbatches[index].group_of(self.groups.position)
+        multiple = padding_multiple(group.size, self.tp_size, self.sequence_parallel)
+        packed = pack_samples(
+            [samples[i] for i in group.sample_ids],
+            group.size,
+            self.groups.position - group.ranks[0],
+            multiple,
+        )
+        return batch_of(packed, self.groups.group_for(group))
+
+
+def batch_of(packed: PackedMicroBatch, cp_group: Any) -> Batch:
+    """The dict a forward step receives: tensors ``[1, T_local]`` and the ``PackedSeqParams``."""
+    return {
+        "tokens": packed.tokens,
+        "labels": packed.labels,
+        "loss_mask": packed.loss_mask,
+        "position_ids": packed.position_ids,
+        "num_tokens": packed.num_tokens,
+        "packed_seq_params": packed_seq_params_of(packed, cp_group),
+    }
+
+
+def packed_seq_params_of(packed: PackedMicroBatch, cp_group: Any) -> Any:
+    """megatron's ``PackedSeqParams`` for one packed micro-batch (``cp_group`` None at size 1)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=packed.cu_seqlens,
+        cu_seqlens_kv=packed.cu_seqlens,
+        cu_seqlens_q_padded=packed.cu_seqlens_padded,
+        cu_seqlens_kv_padded=packed.cu_seqlens_padded,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+        local_cp_size=packed.cp_size,
+        cp_group=cp_group if packed.cp_size > 1 else None,
+    )
+
+
+def batch_stats(
+    plan: Plan, plan_time: float, batches: Sequence[Batch], bytes_received: int
+) -> BatchStats:
+    return BatchStats(
+        num_microbatches=plan.num_microbatches,
+        cp_size_histogram=plan.cp_size_histogram(),
+        plan_time_s=plan_time,
+        sum_seqlen=sum(plan.seqlens),
+        sum_seqlen_squared=sum(length * length for length in plan.seqlens),
+        local_tokens=sum(int(b["tokens"].shape[-1]) for b in batches),
+        bytes_received=bytes_received,
+    )
+
+
+def sample_length(sample: Sample) -> int:
+    return int(sample["tokens"].numel())
+
+
+def as_sample(item: Mapping[str, Any]) -> Sample:
+    """A sample as 1-D tensors: megatron's data loader collates one sample to ``[1, L]``."""
+    sample = {}
+    for key in SAMPLE_KEYS:
+        if key not in item:
+            raise ValueError(
+                f"a DCP sample needs the fields {SAMPLE_KEYS}; got {sorted(item)}. The dataset "
+                "must yield one variable-length sequence per sample (see docs/usage.md)."
+            )
+        value = torch.as_tensor(item[key])
+        if value.dim() == 2 and value.shape[0] != 1:
+            raise ValueError(
+                f"DCP needs --micro-batch-size 1 (got micro-batches of {value.shape[0]} "
+                "sequences): the plan forms the micro-batches; --global-batch-size counts sequences."
+            )
+        sample[key] = value.reshape(-1)
+    return sample
+
+
+def take_samples(iterator: Iterator[Any], count: int) -> List[Sample]:
+    """The next ``count`` samples (a ``StopIteration`` mid-batch is a data-loader error)."""
+    samples = []
+    for _ in range(count):
+        try:
+            samples.append(as_sample(next(iterator)))
+        except StopIteration:
+            raise ValueError(
+                f"the data iterator ran out after {len(samples)} of the {count} samples this "
+                "rank's share of the global batch needs (num_microbatches × micro_batch_size)."
+            ) from None
+    return samples
+
+
+def first_iterator(data_iterator: Any) -> Iterator[Sample]:
+    """With VPP megatron passes one iterator per model chunk; the samples come from the first."""
+    return data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+
+
+def iterators_like(data_iterator: Any, batches: List[Batch]) -> Any:
+    """One iterator over ``batches``, or one per model chunk when the caller passed a list."""
+    if isinstance(data_iterator, list):
+        return [iter(batches) for _ in data_iterator]
+    return iter(batches)
+
+
+def set_variable_seq_lengths(model: Any) -> None:
+    """Micro-batches differ in length: the pipeline schedules must exchange tensor shapes."""
+    from megatron.core.utils import get_model_config
+
+    chunks = model if isinstance(model, list) else [model]
+    get_model_config(chunks[0]).variable_seq_lengths = True
