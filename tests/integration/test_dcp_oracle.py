@@ -23,7 +23,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
 from megatron_dcp.testing.dcp import DCPStepResult, dcp_training_step  # noqa: E402
 
 # Lengths chosen so that plans mix CP sizes: with budget 64 on N = 4, 200 needs the whole domain,
-# 120 and 71 need 2 ranks, the rest fit one rank.
+# 120 and 71 need 2 ranks, the rest fit one rank (test_groups_smaller_and_larger...).
 LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71)
 OPTIONS = TinyGPTOptions(num_layers=4)
 
@@ -80,9 +80,7 @@ def assert_matches(result: DCPStepResult, reference) -> None:
         torch.testing.assert_close(result.grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("scheduler", ["default_dynamic_cp", "dp_balanced"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_dcp_step_equals_single_process(layout, scheduler, samples, reference):
+def run_step(layout: Layout, samples, scheduler: str, budget: int, min_cp_size: int = 1):
     step = partial(
         dcp_training_step,
         tp=layout.tp,
@@ -90,11 +88,27 @@ def test_dcp_step_equals_single_process(layout, scheduler, samples, reference):
         cp=layout.cp,
         vpp=layout.vpp,
         scheduler=scheduler,
-        budget=budget_for(layout),
+        budget=budget,
+        min_cp_size=min_cp_size,
         options=OPTIONS,
     )
-    results = run_distributed(step, layout.world, samples, timeout_s=240)
+    return run_distributed(step, layout.world, samples, timeout_s=240)
+
+
+@pytest.mark.parametrize("scheduler", ["default_dynamic_cp", "dp_balanced"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_dcp_step_equals_single_process(layout, scheduler, samples, reference):
+    for result in run_step(layout, samples, scheduler, budget_for(layout)):
+        assert_matches(result, reference)
+
+
+@pytest.mark.parametrize("min_cp_size", [1, 2])
+def test_groups_smaller_and_larger_than_static_cp_in_one_step(min_cp_size, samples, reference):
+    """Budget 64 on dp2·cp2: the 200-token sample needs all 4 ranks while the others fit on
+    ``min_cp_size`` or 2 ranks, so micro-batches run on groups larger than the static CP group
+    of 2 next to smaller or equal ones — an input static CP cannot run at all."""
+    results = run_step(Layout(cp=2, world=4), samples, "default_dynamic_cp", 64, min_cp_size)
     for result in results:
         assert_matches(result, reference)
-    if scheduler == "default_dynamic_cp":
-        assert any(len(r.cp_sizes) > 1 for r in results), "the plan should mix CP sizes"
+        assert 4 in result.cp_sizes and len(result.cp_sizes) > 1
+        assert min(result.cp_sizes) >= min_cp_size
