@@ -7,6 +7,11 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megatron_dcp.integration.schedule import DCPForwardBackward
+from megatron_dcp.integration.validation import (
+    validate_budget,
+    validate_model_config,
+    validate_scheduler_name,
+)
 from megatron_dcp.runtime.groups import DCPGroups, domain_rank_lists_from
 from megatron_dcp.scheduling import CostModel, build_scheduler
 
@@ -37,11 +42,13 @@ def build_forward_backward(
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    validate_model_config(config)
+    validate_budget(max_seqlen_per_dp_cp_rank, config.tensor_model_parallel_size, config.sequence_parallel)
     vpp = config.virtual_pipeline_model_parallel_size
     return DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
         scheduler=build_scheduler(
-            scheduler,
+            validate_scheduler_name(scheduler),
             dp_size=parallel_state.get_data_parallel_world_size(),
             cp_size=parallel_state.get_context_parallel_world_size(),
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,

@@ -133,8 +133,10 @@ def batch_of(packed: PackedMicroBatch, cp_group: Any) -> Batch:
     }
 
 
-def packed_seq_params_of(packed: PackedMicroBatch, cp_group: Any) -> Any:
-    """megatron's ``PackedSeqParams`` for one packed micro-batch (``cp_group`` None at size 1)."""
+def packed_seq_params_of(packed: PackedMicroBatch, cp_group: Any, dynamic: bool = True) -> Any:
+    """megatron's THD ``PackedSeqParams`` for one packed micro-batch. ``dynamic``: a DCP
+    micro-batch naming its group (``cp_group`` None and ``local_cp_size`` 1 without CP); else
+    static CP (no ``local_cp_size``: megatron uses the model's static CP group)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     return PackedSeqParams(
@@ -145,8 +147,8 @@ def packed_seq_params_of(packed: PackedMicroBatch, cp_group: Any) -> Any:
         cu_seqlens_kv_padded=packed.cu_seqlens_padded,
         max_seqlen_q=packed.max_seqlen,
         max_seqlen_kv=packed.max_seqlen,
-        local_cp_size=packed.cp_size,
-        cp_group=cp_group if packed.cp_size > 1 else None,
+        local_cp_size=packed.cp_size if dynamic else None,
+        cp_group=cp_group if dynamic and packed.cp_size > 1 else None,
     )
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from megatron_dcp.integration.attention import reference_layer_spec, with_core_attention
 from megatron_dcp.integration.cpu_backend import enable_cpu_backend
 from megatron_dcp.integration.megatron_import import import_megatron_core
-from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
+from megatron_dcp.integration.schedule import packed_seq_params_of
+from megatron_dcp.runtime.packing import pack_samples, padding_multiple
 from megatron_dcp.testing.distributed import run_distributed
 
 import_megatron_core()
@@ -28,7 +29,6 @@ import_megatron_core()
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # noqa: E402
-from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 Sample = dict[str, torch.Tensor]
@@ -252,23 +252,6 @@ def _merge_pipeline_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return merged
 
 
-def packed_seq_params(
-    packed: PackedMicroBatch, cp_group: Optional[dist.ProcessGroup] = None
-) -> PackedSeqParams:
-    """THD ``PackedSeqParams`` of a packed micro-batch (``cp_group`` None: the static group)."""
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=packed.cu_seqlens,
-        cu_seqlens_kv=packed.cu_seqlens,
-        cu_seqlens_q_padded=packed.cu_seqlens_padded,
-        cu_seqlens_kv_padded=packed.cu_seqlens_padded,
-        max_seqlen_q=packed.max_seqlen,
-        max_seqlen_kv=packed.max_seqlen,
-        local_cp_size=packed.cp_size,
-        cp_group=cp_group,
-    )
-
-
 def packed_loss_and_backward(
     model: torch.nn.Module, samples: Sequence[Sample], tp: int = 1
 ) -> tuple[torch.Tensor, int]:
@@ -282,7 +265,7 @@ def packed_loss_and_backward(
         position_ids=packed.position_ids,
         attention_mask=None,
         labels=packed.labels,
-        packed_seq_params=packed_seq_params(packed),
+        packed_seq_params=packed_seq_params_of(packed, None, dynamic=False),
     )
     loss = (losses * packed.loss_mask).sum()
     loss.backward()
