@@ -19,6 +19,7 @@ from megatron_dcp.testing.gpt import (
     build_tiny_gpt,
     gather_full_tensors,
     init_megatron,
+    unpacked_loss_and_backward,
 )
 
 
@@ -87,3 +88,92 @@ def global_loss(losses: Sequence[dict]) -> tuple[float, int]:
     last = dist.get_process_group_ranks(pp_group)[-1]
     dist.broadcast(total, src=last, group=pp_group)
     return total[0].item(), int(total[1].item())
+
+
+# ------------------------------------------------------------------------------------------------
+# Several optimizer steps: DDP + Adam through megatron's finalize_model_grads
+# ------------------------------------------------------------------------------------------------
+
+LEARNING_RATE = 1e-2
+
+
+def with_ddp_and_adam(chunks: Sequence[torch.nn.Module]) -> tuple[list, object]:
+    """Wrap ``chunks`` in megatron DDP (gradients summed over DP×CP: per-token loss) and build
+    megatron's Adam; the schedules then sync and scale gradients by the global token count."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
+    models = [
+        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=LEARNING_RATE, weight_decay=0.0, clip_grad=0.0, params_dtype=torch.float32
+    )
+    return models, get_megatron_optimizer(optimizer_config, models)
+
+
+def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return gather_full_tensors(chunks, select=lambda p: p.detach(), reduce_dp_cp=False)
+
+
+def dcp_training_run(
+    rank: int,
+    world_size: int,
+    batches: Sequence[Sequence[Sample]],
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    budget: int = 64,
+    options: Optional[TinyGPTOptions] = None,
+) -> dict[str, torch.Tensor]:
+    """``len(batches)`` DCP training steps (DDP + Adam); the full weights afterwards."""
+    from megatron.core import parallel_state
+
+    options = options or TinyGPTOptions()
+    init_megatron(tp, pp, cp, seed=options.seed)
+    apply_patches()
+    chunks = build_tiny_gpt(tp, pp, cp, options=options)
+    models, optimizer = with_ddp_and_adam(chunks)
+    wrapper = build_forward_backward(chunks[0].config, budget)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    for samples in batches:
+        share = len(samples) // dp_size
+        models[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        wrapper(
+            forward_step_func=forward_step,
+            data_iterator=iter(samples[dp_rank * share : (dp_rank + 1) * share]),
+            model=models[0],
+            num_microbatches=share,
+        )
+        optimizer.step()
+    wrapper.groups.destroy()
+    return full_weights(chunks)
+
+
+def reference_training_run(
+    rank: int, world_size: int, batches: Sequence[Sequence[Sample]], options: TinyGPTOptions
+) -> dict[str, torch.Tensor]:
+    """The oracle of ``dcp_training_run``: one process, samples one by one (no packing, no CP),
+    the same DDP, token-count scaling and Adam."""
+    from megatron.core.distributed import finalize_model_grads
+
+    init_megatron(seed=options.seed)
+    chunks = build_tiny_gpt(options=options)
+    models, optimizer = with_ddp_and_adam(chunks)
+    for samples in batches:
+        models[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        _, num_tokens = unpacked_loss_and_backward(models[0], samples)
+        finalize_model_grads(models, num_tokens=torch.tensor(num_tokens))
+        optimizer.step()
+    return full_weights(chunks)

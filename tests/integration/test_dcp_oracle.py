@@ -20,7 +20,12 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     make_samples,
     single_process_reference,
 )
-from megatron_dcp.testing.dcp import DCPStepResult, dcp_training_step  # noqa: E402
+from megatron_dcp.testing.dcp import (  # noqa: E402
+    DCPStepResult,
+    dcp_training_run,
+    dcp_training_step,
+    reference_training_run,
+)
 
 # Lengths chosen so that plans mix CP sizes: with budget 64 on N = 4, 200 needs the whole domain,
 # 120 and 71 need 2 ranks, the rest fit one rank (test_groups_smaller_and_larger...).
@@ -112,3 +117,19 @@ def test_groups_smaller_and_larger_than_static_cp_in_one_step(min_cp_size, sampl
         assert_matches(result, reference)
         assert 4 in result.cp_sizes and len(result.cp_sizes) > 1
         assert min(result.cp_sizes) >= min_cp_size
+
+
+def test_weights_after_three_adam_steps_equal_single_process():
+    """DDP + megatron's Adam, three global batches of different lengths, dp2·cp2: the weights
+    equal those of the single-process run (gradient scaling by the global token count). Adam
+    turns float noise in near-zero gradients into full-size updates (m/√v), so weights agree to
+    1e-4 absolute — each step moves them by up to the learning rate, 1e-2."""
+    lengths = [(37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2)]
+    batches = [make_samples(batch, OPTIONS.vocab_size, seed=s) for s, batch in enumerate(lengths)]
+    (expected,) = run_distributed(reference_training_run, 1, batches, OPTIONS, timeout_s=240)
+    results = run_distributed(
+        partial(dcp_training_run, cp=2, budget=64, options=OPTIONS), 4, batches, timeout_s=240
+    )
+    for weights in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-4, msg=name)
