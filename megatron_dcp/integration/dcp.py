@@ -43,7 +43,9 @@ def build_forward_backward(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     validate_model_config(config)
-    validate_budget(max_seqlen_per_dp_cp_rank, config.tensor_model_parallel_size, config.sequence_parallel)
+    validate_budget(
+        max_seqlen_per_dp_cp_rank, config.tensor_model_parallel_size, config.sequence_parallel
+    )
     vpp = config.virtual_pipeline_model_parallel_size
     return DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
@@ -53,7 +55,9 @@ def build_forward_backward(
             cp_size=parallel_state.get_context_parallel_world_size(),
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             min_cp_size=min_cp_size,
-            microbatch_group_size_per_vp_stage=config.microbatch_group_size_per_vp_stage if vpp else None,
+            microbatch_group_size_per_vp_stage=(
+                config.microbatch_group_size_per_vp_stage if vpp else None
+            ),
             cost_model=cost_model,
         ),
         groups=groups or create_dcp_groups(min_cp_size),

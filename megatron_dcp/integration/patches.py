@@ -296,11 +296,15 @@ def patch_te_attention(
         params = kwargs.get("packed_seq_params", args[1] if len(args) > 1 else None)
         group = micro_batch_cp_group(params)
         if group is None:
-            return original(self, query, key, value, attention_mask, attn_mask_type, *args, **kwargs)
+            return original(
+                self, query, key, value, attention_mask, attn_mask_type, *args, **kwargs
+            )
         ensure_cp_stream(cls, group, make_stream)
         static = {name: getattr(self, name, None) for name in TE_STATE}
         try:
-            return original(self, query, key, value, attention_mask, attn_mask_type, *args, **kwargs)
+            return original(
+                self, query, key, value, attention_mask, attn_mask_type, *args, **kwargs
+            )
         finally:
             restore_te_group(cls, self, static)
 

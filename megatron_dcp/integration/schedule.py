@@ -24,7 +24,12 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
-from megatron_dcp.runtime.exchange import GlobalLengths, RoutedSamples, gather_lengths, route_samples
+from megatron_dcp.runtime.exchange import (
+    GlobalLengths,
+    RoutedSamples,
+    gather_lengths,
+    route_samples,
+)
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
 from megatron_dcp.scheduling import Plan
@@ -104,9 +109,7 @@ class DCPForwardBackward:
         """Step 3: send and receive samples so that this rank holds those of its groups."""
         ids = lengths.ids_of(torch.distributed.get_rank(self.dp_group))
         local = dict(zip(ids, samples))
-        return route_samples(
-            plan, local, self.groups.position, self.domain_group, lengths.owner_of
-        )
+        return route_samples(plan, local, self.groups.position, self.domain_group, lengths.owner_of)
 
     def pack(self, plan: Plan, index: int, samples: Mapping[int, Sample]) -> Batch:
         """Step 4: this rank's share of micro-batch ``index``."""

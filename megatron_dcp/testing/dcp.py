@@ -83,7 +83,9 @@ def global_loss(losses: Sequence[dict]) -> tuple[float, int]:
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         for entry in losses:
             total += entry["lm loss"].double()
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(
+            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     last = dist.get_process_group_ranks(pp_group)[-1]
     dist.broadcast(total, src=last, group=pp_group)
@@ -115,7 +117,11 @@ def with_ddp_and_adam(chunks: Sequence[torch.nn.Module]) -> tuple[list, object]:
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
     optimizer_config = OptimizerConfig(
-        optimizer="adam", lr=LEARNING_RATE, weight_decay=0.0, clip_grad=0.0, params_dtype=torch.float32
+        optimizer="adam",
+        lr=LEARNING_RATE,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        params_dtype=torch.float32,
     )
     return models, get_megatron_optimizer(optimizer_config, models)
 
@@ -177,3 +183,10 @@ def reference_training_run(
         finalize_model_grads(models, num_tokens=torch.tensor(num_tokens))
         optimizer.step()
     return full_weights(chunks)
+
+
+def mtp_losses(rank: int, world_size: int, samples: Sequence[Sample], **step: object) -> tuple:
+    """Main loss and token count of a DCP step of the tiny GPT with one MTP layer."""
+    options = TinyGPTOptions(num_layers=2, mtp_layers=1)
+    result = dcp_training_step(rank, world_size, samples, options=options, **step)
+    return result.loss_sum, result.num_tokens, result.cp_sizes

@@ -49,7 +49,9 @@ def _all_to_alls(mamba_cp, rank):
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(LOCAL_LEN, 1, WIDTH, generator=generator, requires_grad=True)
     pre = mamba_cp.pre_conv_ssm(x)
-    y = torch.randn(LOCAL_LEN * mamba_cp.cp_size, 1, D_INNER // mamba_cp.cp_size, generator=generator)
+    y = torch.randn(
+        LOCAL_LEN * mamba_cp.cp_size, 1, D_INNER // mamba_cp.cp_size, generator=generator
+    )
     y.requires_grad_(True)
     post = mamba_cp.post_conv_ssm(y)
     (pre.square().sum() + post.square().sum()).backward()

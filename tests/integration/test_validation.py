@@ -48,7 +48,9 @@ def test_scheduler_defaults_to_dcp_and_rejects_unknown_names():
         validate_scheduler_name("fifo")
 
 
-@pytest.mark.parametrize("budget,tp,sp", [(None, 1, False), (0, 1, False), (7, 1, False), (6, 4, True)])
+@pytest.mark.parametrize(
+    "budget,tp,sp", [(None, 1, False), (0, 1, False), (7, 1, False), (6, 4, True)]
+)
 def test_budget_must_be_set_and_a_multiple_of_the_padding_unit(budget, tp, sp):
     with pytest.raises(ValueError, match="--max-seqlen-per-dp-cp-rank"):
         validate_budget(budget, tp, sp)
