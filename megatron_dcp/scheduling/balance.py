@@ -17,21 +17,22 @@ def lpt_partition(
     """Longest-processing-time partition of ``items`` into ``num_bins`` bins of at most
     ``capacity`` tokens each: heaviest item first, into the least-loaded bin that has room.
 
-    Returns None when an item fits in no bin. Ties break on the bin index (deterministic).
+    Returns None when an item fits in no bin. Ties break on the number of items, then the bin
+    index (deterministic, and weightless items still spread over the bins).
     """
     bins: List[List[Item]] = [[] for _ in range(num_bins)]
     tokens = [0] * num_bins
-    heap = [(0.0, index) for index in range(num_bins)]
+    heap = [(0.0, 0, index) for index in range(num_bins)]
     for item in sorted(items, key=lambda it: (-weight(it), it.sample_id)):
         skipped = []
-        while heap and tokens[heap[0][1]] + item.seqlen > capacity:
+        while heap and tokens[heap[0][2]] + item.seqlen > capacity:
             skipped.append(heapq.heappop(heap))
         if not heap:
             return None
-        load, index = heapq.heappop(heap)
+        load, count, index = heapq.heappop(heap)
         bins[index].append(item)
         tokens[index] += item.seqlen
-        heapq.heappush(heap, (load + weight(item), index))
+        heapq.heappush(heap, (load + weight(item), count + 1, index))
         for entry in skipped:
             heapq.heappush(heap, entry)
     return bins

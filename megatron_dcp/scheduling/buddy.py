@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from functools import lru_cache
+from typing import List, Optional, Tuple
 
 from megatron_dcp.scheduling.domain import Block, Domain, is_power_of_two
+
+
+@lru_cache(maxsize=1 << 16)
+def _children(domain: Domain, block: Block) -> Tuple[Block, ...]:
+    return domain.children(block)
+
+
+@lru_cache(maxsize=1 << 16)
+def _reaches(domain: Domain, block: Block, size: int) -> bool:
+    """True when splitting ``block`` along the domain tree yields a block of ``size`` ranks."""
+    if block.size == size:
+        return True
+    return block.size > size and any(_reaches(domain, c, size) for c in _children(domain, block))
 
 
 class BuddyAllocator:
@@ -25,19 +39,14 @@ class BuddyAllocator:
             if block is not None:
                 self.free.remove(block)
                 return block
-            splittable = next((b for b in candidates if self.domain.children(b)), None)
+            splittable = next((b for b in candidates if _children(self.domain, b)), None)
             if splittable is None:
                 return None
             self.free.remove(splittable)
-            self.free.extend(self.domain.children(splittable))
+            self.free.extend(_children(self.domain, splittable))
 
     def can_allocate(self, size: int) -> bool:
-        return any(b.size >= size and self._reaches(b, size) for b in self.free)
-
-    def _reaches(self, block: Block, size: int) -> bool:
-        if block.size == size:
-            return True
-        return any(self._reaches(child, size) for child in self.domain.children(block))
+        return any(b.size >= size and _reaches(self.domain, b, size) for b in self.free)
 
 
 def parent_block(domain: Domain, block: Block) -> Block:

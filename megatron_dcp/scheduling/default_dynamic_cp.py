@@ -1,61 +1,124 @@
 """``default_dynamic_cp``: the DCP scheduler.
 
-Steps (each a named function below):
-1. ``candidate_counts``   – micro-batch counts to try, from the token lower bound upwards, each
-                            VPP-aligned (``align_microbatch_count``).
-2. ``equalize_buckets``   – one bucket of samples per micro-batch, of roughly equal work.
-3. ``next_hdp_group``     – lay one micro-batch out: heaviest sample first, into a fresh aligned
-                            block of its CP size (larger when the sample alone would exceed the
-                            micro-batch's mean load) or the group where the resulting load is least;
-                            then ``fill_empty_ranks`` and ``balance_microbatch``. Samples that do not
-                            fit move on to the next bucket.
-4. ``balance_across_microbatches`` – move or swap samples between micro-batches while that
-                            shortens the critical path Σ_micro-batch max_rank cost.
-The count whose plan has the shortest critical path wins (the first within ``GOOD_ENOUGH`` of the
-lower bound ends the search).
+The objective is the critical path Σ_micro-batch max_rank cost. Micro-batches may differ in load;
+what costs time is imbalance *inside* a micro-batch and CP overhead. Steps (each a named function):
+
+1. ``heaviest_first``    – order the samples by least total work (cost at their minimum CP size).
+2. ``plan_rows``         – while ``is_heavy`` (a sample could match the mean level only on a CP
+                           group whose overhead exceeds ``HEAVY_WASTE``), ``next_hdp_group`` forms
+                           a micro-batch from the whole pool; the rest goes through
+                           ``equalize_buckets`` (LPT into the fewest buckets of N × budget tokens,
+                           equal work) and one ``next_hdp_group`` per bucket, leftovers carried on.
+3. ``next_hdp_group``    – one micro-batch: the heaviest sample opens it on a CP group of one of a
+                           few sizes (``trial_sizes``), which sets the *level* (its per-rank cost,
+                           at least ``fill_level``). Every other sample, heaviest first and then
+                           lightest first to top up, takes a fresh block of the smallest CP size
+                           whose cost fits under the level, or joins the least-loaded group where
+                           it fits (any size ≥ its minimum: a short sequence may get a larger
+                           group). The trial with the best ``efficiency`` wins.
+4. ``fill_empty_ranks``  – no rank idle: a free block takes a sample from a group holding several,
+                           or merges with its neighbours into the parent block.
+5. ``rebalance_row``     – bounded refinement: move samples out of the most-loaded group into
+                           lighter ones while that lowers the micro-batch's maximum.
+6. ``align_to_vpp``      – split micro-batches until the count is a multiple of the VPP group size
+                           (or fall back to whole-domain micro-batches when there are too many).
+
+Batches of at most ``SEARCH_SAMPLES`` samples also try step 2 with every micro-batch formed from
+the whole pool, and keep the better plan (``plan_rank``). Cost: each micro-batch scans its pool
+once per trial (a pass stops after ``FAIL_LIMIT`` consecutive misses once no rank is free), with
+one heap of groups per CP size: O(K · T · n log N) for K micro-batches, T ≤ ``TRIALS``, n samples.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partition
+from megatron_dcp.scheduling.balance import lpt_partition
 from megatron_dcp.scheduling.buddy import BuddyAllocator, contains, parent_block
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Block, Domain
-from megatron_dcp.scheduling.draft import GroupDraft, Item, freeze_microbatch, group_of_items
-from megatron_dcp.scheduling.load_index import LoadIndex
+from megatron_dcp.scheduling.draft import GroupDraft, Item, freeze_microbatch
 from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.registry import VPP_FLAG, Scheduler
 
-# Stop trying more micro-batch counts once the critical path is this close to the lower bound.
-GOOD_ENOUGH = 1.01
-# Counts tried: the token lower bound, then each this much larger, up to one sample per micro-batch.
-COUNT_STEPS = (0, 1, 2)
-COUNT_GROWTH = 1.25
-# Local search: partners examined per move (the least-loaded groups) and sweep limits.
-PARTNERS = 8
-CROSS_SWEEPS = 8
-# Items of a group examined per move (spread over its sizes); bounds the swap search.
-MOVE_ITEMS = 12
+# CP sizes tried for the sample that opens a micro-batch, and the efficiency that ends the trials.
+TRIALS = 3
+# A sample is heavy (opens a micro-batch with its own level) when reaching the mean level would
+# cost it more than this fraction of extra CP overhead.
+HEAVY_WASTE = 0.02
+HEAVY = 1.25
+GOOD_EFFICIENCY = 0.97
+# A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free).
+FAIL_LIMIT = 48
+# Groups skipped per CP size when the least-loaded ones lack token room for a sample.
+SKIP_LIMIT = 8
+# Bucket equalization: moves per micro-batch, samples of the top group and partners examined.
+EQUALIZE_STEPS = 8
+EQUALIZE_ITEMS = 12
+EQUALIZE_PARTNERS = 4
 EPS = 1e-9
+# Batches of at most this many samples also try the all-levels variant of ``plan_rows``.
+SEARCH_SAMPLES = 256
+# A plan within this factor of the lower bound is good enough: then fewer micro-batches win.
+GOOD_PLAN = 1.02
+# The last micro-batch may exceed its level by this fraction to save one more micro-batch.
+LAST_SLACK = 0.02
 
-Draft = List[GroupDraft]
-Move = Tuple[Item, Optional[Item]]
+Row = List[GroupDraft]
+HeapEntry = Tuple[float, int, GroupDraft]
 
 
-@dataclass(frozen=True)
 class Context:
-    """What every step needs: the domain and the cost model."""
+    """What every step needs: the domain, the cost model, and memoised per-rank costs."""
 
-    domain: Domain
-    cost: CostModel
+    def __init__(self, domain: Domain, cost: CostModel) -> None:
+        self.domain, self.cost = domain, cost
+        self._loads: Dict[Tuple[int, int], object] = {}
+        self._work: Dict[int, float] = {}
+        self._sizes: Dict[int, Tuple[int, ...]] = {}
+        self._openable: Dict[int, bool] = {}
+
+    def load(self, seqlen: int, size: int) -> float:
+        """Per-rank cost of a sequence of ``seqlen`` tokens on ``size`` ranks (the hot path)."""
+        key = (seqlen, size)
+        value = self._loads.get(key)
+        if value is None:
+            value = self._loads[key] = self.cost.per_rank(seqlen, size)
+        return value
+
+    def loads(self, item: Item) -> Tuple[float, ...]:
+        """Per-rank costs of ``item`` on each size of :meth:`sizes_from` its minimum CP size."""
+        key = (item.seqlen, -item.min_cp)
+        value = self._loads.get(key)
+        if value is None:
+            sizes = self.sizes_from(item.min_cp)
+            value = self._loads[key] = tuple(self.load(item.seqlen, s) for s in sizes)
+        return value
 
     def min_work(self, item: Item) -> float:
-        """Least total cost of ``item``: at its minimum CP size."""
-        return self.cost.per_rank(item.seqlen, item.min_cp) * item.min_cp
+        """Least total cost of ``item``: at its minimum CP size (which its length determines)."""
+        value = self._work.get(item.seqlen)
+        if value is None:
+            value = self._work[item.seqlen] = self.load(item.seqlen, item.min_cp) * item.min_cp
+        return value
+
+    def sizes_from(self, min_cp: int) -> Tuple[int, ...]:
+        """The CP group sizes ≥ ``min_cp``, ascending."""
+        sizes = self._sizes.get(min_cp)
+        if sizes is None:
+            sizes = self._sizes[min_cp] = tuple(s for s in self.domain.group_sizes if s >= min_cp)
+        return sizes
+
+    def openable(self, size: int) -> bool:
+        """True when an empty micro-batch can hold a group of ``size`` ranks."""
+        if size not in self._openable:
+            self._openable[size] = BuddyAllocator(self.domain).can_allocate(size)
+        return self._openable[size]
+
+    def room(self, group: GroupDraft) -> int:
+        """Tokens ``group`` can still take within the budget."""
+        return group.size * self.domain.budget - group.tokens
 
 
 class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
@@ -64,293 +127,417 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         ctx = Context(self.domain, self.cost_model)
         items = [Item(i, seqlen, self.domain.cp_degree(seqlen)) for i, seqlen in enumerate(seqlens)]
-        bound = sum(ctx.min_work(item) for item in items) / self.domain.size
-        best: Optional[Tuple[float, List[Draft]]] = None
+        pool = heaviest_first(ctx, items)
         vpp = self.microbatch_group_size_per_vp_stage
-        for count in candidate_counts(ctx, items, vpp):
-            drafts = pack(ctx, items, count)
-            if drafts is None:
-                continue
-            path = critical_path(drafts)
-            if best is None or path < best[0] * (1 - EPS):
-                best = (path, drafts)
-            if path <= GOOD_ENOUGH * bound:
-                break
-        assert best is not None, f"no micro-batch count packs {len(items)} samples"
-        return [freeze_microbatch(draft) for draft in best[1]]
+        # Small batches also try the all-levels variant (cheap there) and keep the better plan.
+        variants = (False, True) if len(items) <= SEARCH_SAMPLES else (False,)
+        plans = [align_to_vpp(ctx, plan_rows(ctx, pool, v), items, vpp) for v in variants]
+        bound = sum(map(ctx.min_work, items)) / self.domain.size
+        best = min(plans, key=lambda rows: plan_rank(rows, bound))
+        return [freeze_microbatch(row) for row in best]
 
 
-def candidate_counts(ctx: Context, items: Sequence[Item], vpp: Optional[int]) -> Iterator[int]:
-    """Step 1: micro-batch counts to try, ascending and VPP-aligned, from the token lower bound;
-    none exceeds ``len(items)`` (one sample per micro-batch, which always packs)."""
-    last = len(items) - len(items) % vpp if vpp else len(items)
-    if last == 0:
-        raise ValueError(
-            f"{VPP_FLAG}={vpp}: the global batch has {len(items)} samples, fewer than one "
-            f"micro-batch group needs; use a larger --global-batch-size or a smaller group size."
-        )
+def plan_rank(rows: Sequence[Row], bound: float) -> Tuple[int, float, float]:
+    """Sort key of candidate plans: those within ``GOOD_PLAN`` × the lower bound first, fewest
+    micro-batches first; then the shortest critical path."""
+    path = critical_path(rows)
+    if path <= GOOD_PLAN * bound:
+        return (0, len(rows), path)
+    return (1, path, len(rows))
+
+
+def critical_path(rows: Sequence[Row]) -> float:
+    """Σ over micro-batches of the most-loaded group's per-rank cost."""
+    return sum(max(group.load for group in row) for row in rows)
+
+
+def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
+    """Step 1: samples by decreasing least total work, then length, then id (deterministic)."""
+    return sorted(items, key=lambda it: (-ctx.min_work(it), -it.seqlen, it.sample_id))
+
+
+def plan_rows(ctx: Context, pool: List[Item], all_heavy: bool = False) -> List[Row]:
+    """Micro-batches (rows of groups) until every sample of ``pool`` (heaviest first) is placed:
+    while a sample is too heavy for the mean level (or always, with ``all_heavy``), the heaviest
+    opens a micro-batch of its own level that takes fillers from the whole pool; the rest is split
+    into buckets of equal work, one micro-batch each."""
+    rows: List[Row] = []
+    while pool and (all_heavy or is_heavy(ctx, pool)):
+        row, pool = next_hdp_group(ctx, pool)
+        rows.append(row)
+    carry: List[Item] = []
+    for bucket in equalize_buckets(ctx, pool):
+        row, carry = next_hdp_group(ctx, heaviest_first(ctx, carry + bucket))
+        rows.append(row)
+    while carry:
+        row, carry = next_hdp_group(ctx, carry)
+        rows.append(row)
+    return rows
+
+
+def is_heavy(ctx: Context, pool: Sequence[Item]) -> bool:
+    """True when a sample of ``pool`` can match the pool's fill level only on a CP group so large
+    that its total cost grows by more than ``HEAVY_WASTE``: it needs a micro-batch of its own
+    (higher) level instead."""
+    floor = fill_level(ctx, pool)
+    return any(
+        ctx.load(item.seqlen, item.min_cp) > HEAVY * floor
+        and promotion_waste(ctx, item, floor) > HEAVY_WASTE
+        for item in pool
+    )
+
+
+def promotion_waste(ctx: Context, item: Item, level: float) -> float:
+    """Relative extra total cost of running ``item`` on the smallest CP group where its per-rank
+    cost is within ``level`` (the largest group when none is) instead of its minimum."""
+    least = ctx.min_work(item)
+    if ctx.load(item.seqlen, item.min_cp) <= level or least <= 0:
+        return 0.0
+    for size, load in zip(ctx.sizes_from(item.min_cp), ctx.loads(item)):
+        if load <= level:
+            break
+    return load * size / least - 1.0
+
+
+def equalize_buckets(ctx: Context, pool: Sequence[Item]) -> List[List[Item]]:
+    """Bucket equalization: LPT of ``pool`` into the fewest buckets of N × budget tokens its tokens
+    need (more when LPT cannot fit them), equal least work each; empty buckets dropped."""
     capacity = ctx.domain.size * ctx.domain.budget
-    first = max(1, -(-sum(item.seqlen for item in items) // capacity))
-    counts = {first + step for step in COUNT_STEPS} | {int(first * COUNT_GROWTH) + 1}
-    aligned = {min(align_microbatch_count(c, vpp), last) for c in counts}
-    yield from sorted(aligned)
-    if last not in aligned:
-        yield last
+    count = max(1, -(-sum(item.seqlen for item in pool) // capacity))
+    buckets = lpt_partition(pool, count, capacity, ctx.min_work)
+    while buckets is None:
+        count += 1
+        buckets = lpt_partition(pool, count, capacity, ctx.min_work)
+    return [bucket for bucket in buckets if bucket]
 
 
-def pack(ctx: Context, items: Sequence[Item], count: int) -> Optional[List[Draft]]:
-    """Steps 2–4 for a fixed micro-batch count; None when the samples do not fit."""
-    buckets = equalize_buckets(ctx, items, count)
-    if buckets is None:
-        return None
-    drafts, carry = [], []
-    for bucket in buckets:
-        draft, carry = next_hdp_group(ctx, carry + bucket)
-        if not draft:
-            return None
-        drafts.append(draft)
-    if carry:
-        return None
-    balance_across_microbatches(ctx, drafts)
-    return drafts
+def next_hdp_group(ctx: Context, pool: Sequence[Item]) -> Tuple[Row, List[Item]]:
+    """Step 2: form one micro-batch from ``pool`` (heaviest first; non-empty). Returns its groups,
+    which partition the domain with no idle rank, and the samples left for later micro-batches."""
+    floor = fill_level(ctx, pool)
+    last = sum(item.seqlen for item in pool) <= ctx.domain.size * ctx.domain.budget
+    best: Optional[Tuple[float, Row, List[Item]]] = None
+    for size in trial_sizes(ctx, pool[0], floor):
+        groups, leftovers = lay_out(ctx, pool, size, floor, force=False)
+        if last and leftovers:
+            groups, leftovers = last_microbatch(ctx, pool, size, floor, (groups, leftovers))
+        score = efficiency(ctx, groups)
+        if best is None or score > best[0] + EPS:
+            best = (score, groups, leftovers)
+        if score >= GOOD_EFFICIENCY:
+            break
+    assert best is not None
+    rebalance_row(ctx, best[1])
+    return best[1], best[2]
 
 
-def equalize_buckets(ctx: Context, items: Sequence[Item], count: int) -> Optional[List[List[Item]]]:
-    """Step 2: one bucket per micro-batch, equal work (LPT), at most N × budget tokens each."""
-    capacity = ctx.domain.size * ctx.domain.budget
-    buckets = lpt_partition(items, count, capacity, ctx.min_work)
-    if buckets is None or not all(buckets):
-        return None
-    return buckets
-
-
-def next_hdp_group(ctx: Context, items: Sequence[Item]) -> Tuple[Draft, List[Item]]:
-    """Step 3: lay out one micro-batch from ``items``; returns its groups and the leftovers."""
-    ordered = sorted(items, key=lambda it: (-ctx.min_work(it), it.sample_id))
-    layout = Layout(ctx, target=sum(map(ctx.min_work, ordered)) / ctx.domain.size)
-    leftovers = [item for item in ordered if not layout.place(item)]
-    if layout.groups:
-        fill_empty_ranks(ctx, layout.groups, layout.free)
-        balance_microbatch(ctx, LoadIndex(layout.groups))
+def lay_out(
+    ctx: Context, pool: Sequence[Item], size: int, floor: float, force: bool
+) -> Tuple[Row, List[Item]]:
+    """One trial of :func:`next_hdp_group`: ``pool[0]`` opens on ``size`` ranks, the rest fills up
+    to the level (then, with ``force``, beyond it), and idle ranks are filled."""
+    layout = Layout(ctx)
+    layout.open(pool[0], size, floor)
+    leftovers = layout.fill_from(pool[1:])
+    if force and leftovers:
+        layout.level = float("inf")
+        leftovers = layout.fill_from(leftovers)
+    fill_empty_ranks(ctx, layout.groups, layout.free)
     return layout.groups, leftovers
 
 
-def cp_size_for(ctx: Context, item: Item, target: float) -> int:
-    """The item's CP size: its minimum, doubled while it alone would exceed ``target`` per rank
-    and the larger group is cheaper per rank (a short sequence may get a larger group)."""
-    sizes = ctx.domain.group_sizes
-    index = sizes.index(item.min_cp)
-    per_rank = ctx.cost.per_rank
-    while (
-        index + 1 < len(sizes)
-        and per_rank(item.seqlen, sizes[index]) > target
-        and per_rank(item.seqlen, sizes[index + 1]) < per_rank(item.seqlen, sizes[index])
-    ):
-        index += 1
-    return sizes[index]
+def last_microbatch(
+    ctx: Context, pool: Sequence[Item], size: int, floor: float, unforced: Tuple[Row, List[Item]]
+) -> Tuple[Row, List[Item]]:
+    """When ``pool`` fits one micro-batch by tokens, place the leftovers above the level if that
+    costs less than the extra micro-batch they would need (their work / N), give or take
+    ``LAST_SLACK`` of the level: one micro-batch fewer is worth that much."""
+    groups, leftovers = unforced
+    extra = sum(map(ctx.min_work, leftovers)) / ctx.domain.size
+    forced = lay_out(ctx, pool, size, floor, force=True)
+    peak = max(g.load for g in groups)
+    cheaper = max(g.load for g in forced[0]) <= peak * (1 + LAST_SLACK) + extra
+    return forced if cheaper else unforced
+
+
+def fill_level(ctx: Context, pool: Sequence[Item]) -> float:
+    """The mean per-rank cost of a micro-batch if ``pool`` filled the fewest micro-batches its
+    tokens need: the level every micro-batch fills up to (a heavier opening sample raises it)."""
+    tokens = sum(item.seqlen for item in pool)
+    count = max(1, -(-tokens // (ctx.domain.size * ctx.domain.budget)))
+    return sum(ctx.min_work(item) for item in pool) / (ctx.domain.size * count)
+
+
+def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
+    """CP sizes to try for the sample that opens a micro-batch, best guess first: the smallest
+    size an empty micro-batch can hold whose per-rank cost is within ``floor`` (or the cheapest
+    per rank), then smaller ones, which raise the level (at most ``TRIALS``)."""
+    sizes: List[int] = []
+    for size in ctx.sizes_from(item.min_cp):
+        if not ctx.openable(size):
+            continue
+        if sizes and ctx.load(item.seqlen, size) >= ctx.load(item.seqlen, sizes[-1]):
+            break
+        sizes.append(size)
+        if ctx.load(item.seqlen, size) <= floor:
+            break
+    return sizes[::-1][:TRIALS]
+
+
+def efficiency(ctx: Context, row: Row) -> float:
+    """Useful work of a micro-batch (each sample at its minimum CP size) over N × its max rank
+    cost: 1 for a perfectly balanced micro-batch without extra CP overhead."""
+    peak = max(group.load for group in row)
+    if peak <= 0:
+        return 1.0
+    useful = sum(ctx.min_work(item) for group in row for item in group.items)
+    return useful / (ctx.domain.size * peak)
 
 
 class Layout:
-    """Groups of one micro-batch under construction, a heap of them per CP size, and free blocks."""
+    """One micro-batch under construction: its groups (a heap of them per CP size, least-loaded
+    on top), its free blocks, and its level (the per-rank cost no sample may push a group past)."""
 
-    def __init__(self, ctx: Context, target: float) -> None:
-        self.ctx, self.target = ctx, target
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
         self.free = BuddyAllocator(ctx.domain)
-        self.groups: Draft = []
-        self.heaps: Dict[int, List[Tuple[float, int, GroupDraft]]] = {}
+        self.groups: Row = []
+        self.heaps: Dict[int, List[HeapEntry]] = {}
+        self.level = 0.0
+
+    def open(self, item: Item, size: int, floor: float) -> None:
+        """Place the first sample on a fresh group of ``size`` ranks; the level is its cost or
+        ``floor``, whichever is higher."""
+        self._add_group(item, size)
+        self.level = max(self.groups[0].load, floor) * (1 + EPS)
+
+    def fill_from(self, pool: Sequence[Item]) -> List[Item]:
+        """Place what fits of ``pool`` (heaviest first), then top up lightest first; returns the
+        samples not placed, in pool order."""
+        taken = [False] * len(pool)
+        resume = self._pass(pool, range(len(pool)), taken)
+        self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
+        return [item for item, was_taken in zip(pool, taken) if not was_taken]
+
+    def _pass(self, pool: Sequence[Item], order: range, taken: List[bool]) -> int:
+        """Try the samples of ``pool`` in ``order``; returns the first index not tried (a pass
+        ends after ``FAIL_LIMIT`` consecutive misses once no rank is free)."""
+        misses = 0
+        for index in order:
+            if taken[index]:
+                continue
+            if self.place(pool[index]):
+                taken[index], misses = True, 0
+            elif not self.free.free:
+                misses += 1
+                if misses >= FAIL_LIMIT:
+                    return index + 1
+        return order.stop if order.step > 0 else len(pool)
 
     def place(self, item: Item) -> bool:
-        """Put ``item`` where the resulting per-rank load is least: a fresh block of its CP size
-        or the least-loaded group with room. False when it fits nowhere."""
-        size = cp_size_for(self.ctx, item, self.target)
-        fresh = self.ctx.cost.per_rank(item.seqlen, size) if self.free.can_allocate(size) else None
-        skipped: List[Tuple[int, Tuple[float, int, GroupDraft]]] = []
-        best = self._best_group(item, size, skipped)
-        if fresh is not None and (best is None or fresh <= best[0]):
-            self._add_group(group_of_items(self.free.allocate(size), [item], self.ctx.cost))
-        elif best is not None:
-            _, _, group = heapq.heappop(self.heaps[best[1]])
-            group.add(item, self.ctx.cost)
-            heapq.heappush(self.heaps[best[1]], (group.load, group.block.start, group))
-        for group_size, entry in skipped:
-            heapq.heappush(self.heaps[group_size], entry)
-        return fresh is not None or best is not None
+        """Put ``item`` on a fresh block of the smallest size whose cost fits under the level,
+        else on the least-loaded group where it fits; False when it fits nowhere."""
+        return self._place_fresh(item) or self._join(item)
 
-    def _best_group(self, item: Item, size: int, skipped: list) -> Optional[Tuple[float, int]]:
-        """(resulting load, group size) of the best existing group; groups without room for
-        ``item`` are popped into ``skipped`` so that each heap's top is the candidate."""
-        best = None
-        for group_size, heap in self.heaps.items():
-            if group_size < size:
+    def _place_fresh(self, item: Item) -> bool:
+        if not self.free.free:
+            return False
+        for size, load in zip(self.ctx.sizes_from(item.min_cp), self.ctx.loads(item)):
+            if load <= self.level and self.free.can_allocate(size):
+                self._add_group(item, size)
+                return True
+        return False
+
+    def _join(self, item: Item) -> bool:
+        """Add ``item`` to the group where its resulting load is least and within the level."""
+        best: Optional[Tuple[float, int, float]] = None
+        skipped: List[Tuple[int, HeapEntry]] = []
+        budget, seqlen, heaps = self.ctx.domain.budget, item.seqlen, self.heaps
+        for size, load in zip(self.ctx.sizes_from(item.min_cp), self.ctx.loads(item)):
+            heap = heaps.get(size)
+            if not heap:
                 continue
-            while heap and not heap[0][2].fits(item, self.ctx.domain.budget):
-                skipped.append((group_size, heapq.heappop(heap)))
-            if heap:
-                load = heap[0][2].load_with(item, self.ctx.cost)
-                if best is None or (load, group_size) < best:
-                    best = (load, group_size)
-        return best
+            limit = size * budget - seqlen
+            while heap and heap[0][2].tokens > limit and len(skipped) < SKIP_LIMIT:
+                skipped.append((size, heapq.heappop(heap)))
+            if heap and heap[0][2].tokens <= limit:
+                total = heap[0][0] + load
+                if total <= self.level and (best is None or total < best[0]):
+                    best = (total, size, load)
+        if best is not None:
+            _, size, load = best
+            group = heapq.heappop(heaps[size])[2]
+            group.push(item, load)
+            heapq.heappush(heaps[size], (group.load, group.block.start, group))
+        for size, entry in skipped:
+            heapq.heappush(heaps[size], entry)
+        return best is not None
 
-    def _add_group(self, group: GroupDraft) -> None:
+    def _add_group(self, item: Item, size: int) -> None:
+        block = self.free.allocate(size)
+        assert block is not None, f"no free block of {size} ranks"
+        group = GroupDraft(block)
+        group.push(item, self.ctx.load(item.seqlen, size))
         self.groups.append(group)
-        heap = self.heaps.setdefault(group.size, [])
-        heapq.heappush(heap, (group.load, group.block.start, group))
+        heapq.heappush(self.heaps.setdefault(size, []), (group.load, block.start, group))
 
 
-def fill_empty_ranks(ctx: Context, groups: Draft, free: BuddyAllocator) -> None:
-    """No rank may be idle: give each free block a sample taken from a group that holds several,
-    or, when none can be spared, merge the free block and its sibling groups into one group."""
+def fill_empty_ranks(ctx: Context, groups: Row, free: BuddyAllocator) -> None:
+    """Step 3: no rank may be idle. Each free block (smallest first) takes the sample whose move
+    from a group holding several leaves the lowest load, else it and its neighbouring groups merge
+    into one group over the parent block."""
     while free.free:
         block = min(free.free, key=lambda b: (b.size, b.start))
         free.free.remove(block)
-        donor = best_donor(ctx, groups, block)
-        if donor is not None:
-            group, item = donor
-            group.remove(item, ctx.cost)
-            groups.append(group_of_items(block, [item], ctx.cost))
+        item = take_donor(ctx, groups, block)
+        if item is not None:
+            group = GroupDraft(block)
+            group.push(item, ctx.load(item.seqlen, block.size))
+            groups.append(group)
         else:
             merge_into_parent(ctx, groups, free, block)
 
 
-def best_donor(ctx: Context, groups: Draft, block: Block) -> Optional[Tuple[GroupDraft, Item]]:
-    """The (group, item) whose move into ``block`` leaves the smallest maximum of the two loads."""
-    best, best_key = None, None
+def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
+    """Remove and return the sample whose move into ``block`` leaves the smallest maximum of the
+    two loads, among groups holding several samples; None when no group can spare one."""
+    best: Optional[Tuple[Tuple[float, int, int], GroupDraft, Item]] = None
     for group in groups:
         if len(group.items) < 2:
             continue
         for item in group.items:
-            if item.min_cp > block.size:
+            if item.min_cp > block.size or item.seqlen > block.size * ctx.domain.budget:
                 continue
-            load = max(group.load_without(item, ctx.cost), ctx.cost.per_rank(item.seqlen, block.size))
-            key = (load, group.block.start, item.sample_id)
-            if best_key is None or key < best_key:
-                best, best_key = (group, item), key
-    return best
+            remaining = group.load - ctx.load(item.seqlen, group.size)
+            key = (max(remaining, ctx.load(item.seqlen, block.size)), group.block.start, item.sample_id)
+            if best is None or key < best[0]:
+                best = (key, group, item)
+    if best is None:
+        return None
+    _, group, item = best
+    group.pop(item, ctx.load(item.seqlen, group.size))
+    return item
 
 
-def merge_into_parent(ctx: Context, groups: Draft, free: BuddyAllocator, block: Block) -> None:
+def merge_into_parent(ctx: Context, groups: Row, free: BuddyAllocator, block: Block) -> None:
     """Replace ``block``'s parent subtree (groups and free blocks) by one group over the parent."""
     parent = parent_block(ctx.domain, block)
-    inside = [g for g in groups if contains(parent, g.block)]
-    items = [item for g in sorted(inside, key=lambda g: g.block.start) for item in g.items]
-    for g in inside:
-        groups.remove(g)
+    inside = sorted((g for g in groups if contains(parent, g.block)), key=lambda g: g.block.start)
+    merged = GroupDraft(parent)
+    for group in inside:
+        groups.remove(group)
+        for item in group.items:
+            merged.push(item, ctx.load(item.seqlen, parent.size))
     free.free = [b for b in free.free if not contains(parent, b)]
-    groups.append(group_of_items(parent, items, ctx.cost))
+    groups.append(merged)
 
 
-def balance_microbatch(ctx: Context, index: LoadIndex) -> None:
-    """Move or swap samples out of the most-loaded group while that lowers the micro-batch max."""
-    for _ in range(2 * len(index.groups) + 16):
-        top = index.top
-        partners = [g for g in index.lightest(PARTNERS + 1) if g is not top][:PARTNERS]
-        choice = best_move(ctx, top, partners, lambda new_top, new_partner, _: top.load - max(new_top, new_partner))
-        if choice is None:
+def rebalance_row(ctx: Context, row: Row) -> None:
+    """Step 4: move a sample from the most-loaded group to one of the lightest groups while that
+    lowers the larger of the two loads (at most ``EQUALIZE_STEPS`` moves)."""
+    for _ in range(EQUALIZE_STEPS):
+        ordered = sorted(row, key=lambda g: (g.load, g.block.start))
+        top, partners = ordered[-1], ordered[:EQUALIZE_PARTNERS]
+        move = best_move(ctx, top, [g for g in partners if g is not top])
+        if move is None:
             return
-        apply_move(ctx, (index, top), (index, choice[0]), choice[1])
+        item, partner = move
+        top.pop(item, ctx.load(item.seqlen, top.size))
+        partner.push(item, ctx.load(item.seqlen, partner.size))
 
 
-def best_move(ctx: Context, top: GroupDraft, partners: Sequence[GroupDraft], gain_of) -> Optional[Tuple[GroupDraft, Move]]:
-    """The partner and move (or swap) with the largest positive ``gain_of(new_top, new_partner,
-    partner)``."""
-    best, best_gain = None, EPS * max(1.0, top.load)
-    for partner in partners:
-        for move in candidate_moves(ctx, top, partner):
-            new_top, new_partner = loads_after(ctx, top, partner, move)
-            gain = gain_of(new_top, new_partner, partner)
-            if gain > best_gain:
-                best, best_gain = (partner, move), gain
+def best_move(
+    ctx: Context, top: GroupDraft, partners: Sequence[GroupDraft]
+) -> Optional[Tuple[Item, GroupDraft]]:
+    """The (sample of ``top``, partner) move that lowers max(top, partner) the most; None if none
+    does. ``top`` keeps at least one sample; at most ``EQUALIZE_ITEMS`` samples are examined."""
+    if len(top.items) < 2:
+        return None
+    best, best_peak = None, top.load * (1 - EPS)
+    for item in spread(top.items, EQUALIZE_ITEMS):
+        for partner in partners:
+            if item.min_cp > partner.size or ctx.room(partner) < item.seqlen:
+                continue
+            peak = max(
+                top.load - ctx.load(item.seqlen, top.size),
+                partner.load + ctx.load(item.seqlen, partner.size),
+            )
+            if peak < best_peak:
+                best, best_peak = (item, partner), peak
     return best
 
 
-def candidate_moves(ctx: Context, top: GroupDraft, partner: GroupDraft) -> Iterator[Move]:
-    """Moves of one item from ``top`` to ``partner`` and swaps of one item each way that keep both
-    groups non-empty, within budget and within the items' minimum CP sizes."""
-    budget = ctx.domain.budget
-    top_room = top.size * budget - top.tokens
-    partner_room = partner.size * budget - partner.tokens
-    for x in _spread(top.items):
-        if x.min_cp > partner.size:
-            continue
-        if len(top.items) > 1 and x.seqlen <= partner_room:
-            yield x, None
-        for y in _spread(partner.items):
-            if (
-                y.min_cp <= top.size
-                and x.seqlen - y.seqlen <= partner_room
-                and y.seqlen - x.seqlen <= top_room
-            ):
-                yield x, y
+def spread(items: Sequence[Item], count: int) -> List[Item]:
+    """At most ``count`` of ``items``, evenly spaced in their current order."""
+    if len(items) <= count:
+        return list(items)
+    step = len(items) / count
+    return [items[int(k * step)] for k in range(count)]
 
 
-def _spread(items: List[Item]) -> List[Item]:
-    """At most ``MOVE_ITEMS`` of ``items``, evenly spaced in their current order."""
-    if len(items) <= MOVE_ITEMS:
-        return items
-    step = len(items) / MOVE_ITEMS
-    return [items[int(k * step)] for k in range(MOVE_ITEMS)]
+def align_to_vpp(
+    ctx: Context, rows: List[Row], items: Sequence[Item], vpp: Optional[int]
+) -> List[Row]:
+    """Step 5: make the micro-batch count a multiple of ``vpp`` by splitting micro-batches. When
+    the count already exceeds the largest such multiple ≤ the sample count, start again from
+    whole-domain micro-batches (first-fit decreasing), or raise when even those are too many."""
+    if not vpp or len(rows) % vpp == 0:
+        return rows
+    limit = len(items) - len(items) % vpp
+    if len(rows) > limit:
+        rows = whole_domain_rows(ctx, items, vpp, limit)
+    while len(rows) % vpp:
+        split_row(ctx, rows)
+    return rows
 
 
-def loads_after(ctx: Context, top: GroupDraft, partner: GroupDraft, move: Move) -> Tuple[float, float]:
-    x, y = move
-    per_rank = ctx.cost.per_rank
-    new_top = top.load - per_rank(x.seqlen, top.size)
-    new_partner = partner.load + per_rank(x.seqlen, partner.size)
-    if y is not None:
-        new_top += per_rank(y.seqlen, top.size)
-        new_partner -= per_rank(y.seqlen, partner.size)
-    return new_top, new_partner
+def whole_domain_rows(
+    ctx: Context, items: Sequence[Item], vpp: int, limit: int
+) -> List[Row]:
+    """Whole-domain micro-batches packed first-fit decreasing by length; ValueError (naming the
+    VPP flag) when more than ``limit`` are needed."""
+    capacity = ctx.domain.size * ctx.domain.budget
+    bins: List[List[Item]] = []
+    room: List[int] = []
+    for item in sorted(items, key=lambda it: (-it.seqlen, it.sample_id)):
+        index = next((i for i, left in enumerate(room) if item.seqlen <= left), len(bins))
+        if index == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[index].append(item)
+        room[index] -= item.seqlen
+    if len(bins) > limit:
+        raise ValueError(
+            f"{VPP_FLAG}={vpp}: the micro-batch count must be a multiple of {vpp} and at most the "
+            f"sample count ({len(items)}), but these samples need at least {len(bins)} "
+            f"micro-batches of {capacity} tokens; use a larger --global-batch-size, a smaller "
+            f"{VPP_FLAG} or a larger --max-seqlen-per-dp-cp-rank."
+        )
+    return [[whole_domain_group(ctx, bin_items)] for bin_items in bins]
 
 
-def apply_move(ctx: Context, source: Tuple[LoadIndex, GroupDraft], target: Tuple[LoadIndex, GroupDraft], move: Move) -> None:
-    """Apply ``move`` from ``source`` to ``target`` (each an index and its group)."""
-    (source_index, top), (target_index, partner) = source, target
-    source_index.detach(top)
-    target_index.detach(partner)
-    x, y = move
-    top.remove(x, ctx.cost)
-    partner.add(x, ctx.cost)
-    if y is not None:
-        partner.remove(y, ctx.cost)
-        top.add(y, ctx.cost)
-    source_index.attach(top)
-    target_index.attach(partner)
+def whole_domain_group(ctx: Context, items: Sequence[Item]) -> GroupDraft:
+    """One group over the whole domain holding ``items``."""
+    group = GroupDraft(ctx.domain.root())
+    for item in items:
+        group.push(item, ctx.load(item.seqlen, ctx.domain.size))
+    return group
 
 
-def balance_across_microbatches(ctx: Context, drafts: List[Draft]) -> None:
-    """Step 4: lower Σ max load by moving work from a micro-batch's most-loaded group into groups
-    of other micro-batches that sit well below their own micro-batch's max."""
-    indexes = [LoadIndex(draft) for draft in drafts]
-    for _ in range(CROSS_SWEEPS):
-        if not _cross_sweep(ctx, indexes):
-            return
+def split_row(ctx: Context, rows: List[Row]) -> None:
+    """Replace the micro-batch with the most samples (≥ 2) by two, its samples split into halves
+    of equal work, each laid out as one micro-batch."""
+    index = max(range(len(rows)), key=lambda i: (sum(len(g.items) for g in rows[i]), -i))
+    items = [item for group in rows[index] for item in group.items]
+    assert len(items) >= 2, "a VPP split needs a micro-batch with two samples"
+    capacity = ctx.domain.size * ctx.domain.budget
+    halves = lpt_partition(items, 2, capacity, ctx.min_work)
+    assert halves is not None and all(halves)
+    rows[index : index + 1] = [single_row(ctx, heaviest_first(ctx, half)) for half in halves]
 
 
-def _cross_sweep(ctx: Context, indexes: List[LoadIndex]) -> bool:
-    """One pass over the micro-batches, most imbalanced first; True if anything moved."""
-    owner = {id(g): index for index in indexes for g in index.lightest(PARTNERS)}
-    slack = sorted(owner.items(), key=lambda kv: kv[1].max_load - _group(kv[1], kv[0]).load, reverse=True)
-    pool = [(_group(index, key), index) for key, index in slack[: 4 * PARTNERS]]
-    moved = False
-    for index in sorted(indexes, key=lambda ix: ix.mean_load - ix.max_load):
-        partners = [(g, ix) for g, ix in pool if ix is not index]
-        top, max_a, second_a = index.top, index.max_load, index.second_load
-        by_group = {id(g): ix for g, ix in partners}
-
-        def gain(new_top: float, new_partner: float, partner: GroupDraft) -> float:
-            max_b = by_group[id(partner)].max_load
-            return (max_a - max(new_top, second_a)) - max(0.0, new_partner - max_b)
-
-        choice = best_move(ctx, top, [g for g, _ in partners], gain)
-        if choice is not None:
-            apply_move(ctx, (index, top), (by_group[id(choice[0])], choice[0]), choice[1])
-            moved = True
-    return moved
-
-
-def _group(index: LoadIndex, key: int) -> GroupDraft:
-    return next(g for g in index.groups if id(g) == key)
-
-
-def critical_path(drafts: Sequence[Draft]) -> float:
-    return sum(max(g.load for g in draft) for draft in drafts)
+def single_row(ctx: Context, items: List[Item]) -> Row:
+    """``items`` as one micro-batch: laid out by :func:`next_hdp_group` when everything fits,
+    else one whole-domain group (their tokens fit the domain)."""
+    row, leftovers = next_hdp_group(ctx, items)
+    return row if not leftovers else [whole_domain_group(ctx, items)]

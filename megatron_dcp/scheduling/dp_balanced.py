@@ -8,7 +8,7 @@ from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partitio
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.plan import MicroBatch
-from megatron_dcp.scheduling.registry import Scheduler
+from megatron_dcp.scheduling.registry import VPP_FLAG, Scheduler
 
 
 class DPBalancedScheduler(Scheduler, name="dp_balanced"):
@@ -35,9 +35,11 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
             if bins is not None and all(bins):
                 return [self._microbatch(bins[m * dp : (m + 1) * dp]) for m in range(count)]
             count = align_microbatch_count(count + 1, self._vpp)
+        vpp = f" and {VPP_FLAG}={self._vpp} (the count must be its multiple)" if self._vpp else ""
         raise ValueError(
             f"dp_balanced: {len(items)} samples cannot fill {dp} DP ranks in every micro-batch "
-            f"(static CP leaves ranks idle); use a larger --global-batch-size or default_dynamic_cp."
+            f"(static CP leaves ranks idle){vpp}; use a larger --global-batch-size, "
+            f"{'a smaller ' + VPP_FLAG + ', ' if self._vpp else ''}or default_dynamic_cp."
         )
 
     @property

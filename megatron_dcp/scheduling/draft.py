@@ -41,8 +41,18 @@ class GroupDraft:
         self.tokens += item.seqlen
 
     def remove(self, item: Item, cost: CostModel) -> None:
+        self.pop(item, cost.per_rank(item.seqlen, self.size))
+
+    def push(self, item: Item, load: float) -> None:
+        """Add ``item`` whose per-rank cost on this group is ``load`` (precomputed: hot path)."""
+        self.items.append(item)
+        self.load += load
+        self.tokens += item.seqlen
+
+    def pop(self, item: Item, load: float) -> None:
+        """Remove ``item`` whose per-rank cost on this group is ``load``."""
         self.items.remove(item)
-        self.load -= cost.per_rank(item.seqlen, self.size)
+        self.load -= load
         self.tokens -= item.seqlen
         if not self.items:
             self.load, self.tokens = 0.0, 0

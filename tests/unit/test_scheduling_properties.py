@@ -6,9 +6,9 @@ typical and near-maximal (N·budget) sequences. Each invariant is its own test a
 directly here; ``test_independent_checker_and_validate_agree`` runs the fuzz checker as well.
 
 An input a scheduler rejects with ``ValueError`` passes only when the feasibility oracle
-(:func:`megatron_dcp.scheduling.fuzz.rejection`) says no plan may exist. Known scheduler bugs are
-pinned by the ``xfail(strict=True)`` tests at the end of this file; the property tests tolerate
-exactly those failures (see :func:`known_bug`) so that they keep checking everything else.
+(:func:`megatron_dcp.scheduling.fuzz.rejection`) says no plan may exist, and the error must name
+a flag. The regression tests at the end of this file pin fixed scheduler bugs (zero-length
+samples, domains that only the whole-domain group tiles, VPP edge cases).
 """
 
 import hashlib
@@ -97,24 +97,13 @@ def cases(draw, name: str, max_size: int = 40) -> Case:
 # ------------------------------------------------------------------------------------------------
 
 
-def known_bug(name: str, case: Case, error: BaseException) -> bool:
-    """The failures pinned by the xfail tests at the end of this file (remove with the fixes)."""
-    if name == "default_dynamic_cp":
-        return isinstance(error, AssertionError) and "no micro-batch count packs" in str(error)
-    return isinstance(error, ValueError) and "cannot fill" in str(error) and 0 in case.seqlens
-
-
 def plan_or_none(name: str, case: Case) -> Optional[Plan]:
-    """The plan; None when the input is legitimately rejected (or hits a known bug)."""
+    """The plan; None when the input is legitimately rejected."""
     expected = rejection(name, case)
     try:
         plan = build_scheduler(name, **case.kwargs()).schedule(list(case.seqlens))
-    except (ValueError, AssertionError) as error:
-        if known_bug(name, case, error):
-            event("known bug")
-            return None
-        if isinstance(error, AssertionError):
-            raise
+    except ValueError as error:
+        assert "--" in str(error), f"{name}: the ValueError names no flag: {error}"
         assert expected is not None, f"{name} rejected an input that has a plan: {error}"
         event("rejected (allowed)")
         return None
@@ -364,19 +353,7 @@ def test_min_cp_that_cannot_tile_the_domain_gives_whole_domain_groups(n, min_cp)
     assert all(g.ranks == tuple(range(n)) for mb in plan.microbatches for g in mb.groups)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "default_dynamic_cp",
-        pytest.param(
-            "dp_balanced",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=f"BUG (message): dp_balanced blames --global-batch-size, not {VPP_FLAG}",
-            ),
-        ),
-    ],
-)
+@parametrize_names
 def test_vpp_group_larger_than_the_sample_count_names_the_flag(name):
     scheduler = build_scheduler(name, **schedule_kwargs(microbatch_group_size_per_vp_stage=4))
     with pytest.raises(ValueError, match=VPP_FLAG):
@@ -446,22 +423,17 @@ def test_plans_do_not_depend_on_pythonhashseed():
 
 
 # ------------------------------------------------------------------------------------------------
-# Known scheduler bugs: minimal reproducers (xfail strict: they start failing once fixed; then
-# drop the marker and the tolerance in known_bug()).
+# Regression tests: minimal reproducers of fixed scheduler bugs.
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="BUG: zero-length sample, N=3, min_cp=2"
-)
 @pytest.mark.parametrize(
     "dp,min_cp,seqlens", [(3, 2, [0]), (7, 2, [0, 4, 4, 4, 4]), (10, 4, [0, 0, 0])]
 )
-def test_bug_zero_length_sample_when_only_the_whole_domain_tiles(dp, min_cp, seqlens):
-    """default_dynamic_cp crashes (AssertionError "no micro-batch count packs") although the
-    whole-domain group holds everything. On a domain that min_cp_size cannot tile (N=3,
-    min_cp=2) only the whole domain is allocatable; a sample whose cost does not drop on a larger
-    group (length 0) stays at its minimum CP size, gets no block and is never placed."""
+def test_zero_length_sample_when_only_the_whole_domain_tiles(dp, min_cp, seqlens):
+    """On a domain that min_cp_size cannot tile (N=3, min_cp=2) only the whole domain is
+    allocatable; a sample whose cost does not drop on a larger group (length 0) must still be
+    placed there (it used to crash with an AssertionError)."""
     scheduler = build_scheduler(
         "default_dynamic_cp", dp_size=dp, cp_size=1, max_seqlen_per_dp_cp_rank=4, min_cp_size=min_cp
     )
@@ -469,12 +441,9 @@ def test_bug_zero_length_sample_when_only_the_whole_domain_tiles(dp, min_cp, seq
     assert check_plan(plan, tuple(seqlens), plan.domain, None) == []
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="BUG: CP-overhead-heavy cost model, N=3"
-)
-def test_bug_cost_model_with_large_cp_overhead_when_only_the_whole_domain_tiles():
-    """Same root cause with a positive length: when CP overhead makes the whole-domain group
-    dearer per rank, the sample is never promoted to it and nothing else is allocatable."""
+def test_cost_model_with_large_cp_overhead_when_only_the_whole_domain_tiles():
+    """Same root cause with a positive length: CP overhead makes the whole-domain group dearer
+    per rank, yet it is the only group that can be allocated."""
     from megatron_dcp.scheduling import CostModel
 
     scheduler = build_scheduler(
@@ -485,22 +454,18 @@ def test_bug_cost_model_with_large_cp_overhead_when_only_the_whole_domain_tiles(
         min_cp_size=2,
         cost_model=CostModel(linear=1.0, quadratic=0.0, comm=10.0),
     )
-    scheduler.schedule([1])
+    plan = scheduler.schedule([1])
+    assert [[g.ranks for g in mb.groups] for mb in plan.microbatches] == [[(0, 1, 2)]]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="BUG: VPP caps the count, feasible input"
-)
 @pytest.mark.parametrize(
     "dp,budget,min_cp,vpp,seqlens",
     [(3, 100, 1, 2, [150, 150, 150]), (11, 1024, 4, 4, [1, 1, 1, 1, 1])],
 )
-def test_bug_vpp_feasible_input_crashes(dp, budget, min_cp, vpp, seqlens):
-    """default_dynamic_cp raises AssertionError although a plan exists. [150, 150, 150] on N=3,
-    budget 100, VPP 2: micro-batch 1 = sample 0 on ranks (0, 1); micro-batch 2 = samples 1, 2 on
-    the whole domain (300 ≤ 3 × 100). With VPP the count is capped below one sample per
-    micro-batch, and a sample whose CP size has no free block left is never placed on a larger
-    (e.g. whole-domain) group, so every candidate count fails."""
+def test_vpp_feasible_input_gets_a_plan(dp, budget, min_cp, vpp, seqlens):
+    """A plan exists although VPP caps the count below one sample per micro-batch: [150, 150,
+    150] on N=3, budget 100, VPP 2: micro-batch 1 = sample 0 on ranks (0, 1); micro-batch 2 =
+    samples 1, 2 on the whole domain (300 ≤ 3 × 100). It used to raise AssertionError."""
     scheduler = build_scheduler(
         "default_dynamic_cp",
         dp_size=dp,
@@ -513,20 +478,15 @@ def test_bug_vpp_feasible_input_crashes(dp, budget, min_cp, vpp, seqlens):
     assert check_plan(plan, tuple(seqlens), plan.domain, vpp) == []
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="BUG: zero-length samples share a bucket"
-)
 @pytest.mark.parametrize(
     "cp,budget,vpp,seqlens",
     [(1, 1, 2, [0, 0]), (8, 64, None, [31, 31] + [34] * 26 + [198, 234, 0, 0])],
     ids=["vpp", "no-vpp-n8"],
 )
-def test_bug_default_dynamic_cp_zero_length_samples_leave_buckets_empty(cp, budget, vpp, seqlens):
-    """Both inputs have plans but crash. lpt_partition (balance.py) breaks load ties on the bin
-    index, so zero-cost samples all land in one bin and other buckets stay empty; the count that
-    "always packs" (one sample per micro-batch) then fails too. [0, 0] on one rank with VPP 2;
-    and without VPP on N = 8 when the counts near the token bound (3-5) do not pack: with [1, 1]
-    instead of [0, 0] the same input gets a plan (of 32 micro-batches, though 3 suffice)."""
+def test_default_dynamic_cp_zero_length_samples(cp, budget, vpp, seqlens):
+    """Both inputs have plans (they used to crash: zero-cost samples all landed in one LPT bin).
+    [0, 0] on one rank with VPP 2; and on N = 8 a plan of few micro-batches (3 suffice; it
+    used to get 32 when [0, 0] was [1, 1])."""
     scheduler = build_scheduler(
         "default_dynamic_cp",
         dp_size=1,
@@ -536,15 +496,16 @@ def test_bug_default_dynamic_cp_zero_length_samples_leave_buckets_empty(cp, budg
     )
     plan = scheduler.schedule(seqlens)
     assert check_plan(plan, tuple(seqlens), plan.domain, vpp) == []
+    token_bound = -(-sum(seqlens) // (cp * budget))
+    assert plan.num_microbatches <= max(vpp or 1, 2 * token_bound)  # not one per sample
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: zero-length samples share a bin")
 @pytest.mark.parametrize(
     "dp,vpp,seqlens", [(2, None, [0, 0]), (2, 2, [0, 0, 0, 5]), (1, 2, [0, 0])]
 )
-def test_bug_dp_balanced_rejects_zero_length_samples(dp, vpp, seqlens):
-    """dp_balanced raises "cannot fill 2 DP ranks" for [0, 0] on 2 DP ranks although each rank
-    can take one sample: same lpt_partition tie-break, every zero-cost sample goes to bin 0."""
+def test_dp_balanced_accepts_zero_length_samples(dp, vpp, seqlens):
+    """[0, 0] on 2 DP ranks: each rank takes one sample (zero-cost samples used to share one LPT
+    bin, and dp_balanced raised "cannot fill 2 DP ranks")."""
     scheduler = build_scheduler(
         "dp_balanced",
         dp_size=dp,
@@ -556,11 +517,9 @@ def test_bug_dp_balanced_rejects_zero_length_samples(dp, vpp, seqlens):
     assert check_plan(plan, tuple(seqlens), plan.domain, vpp) == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: AssertionError, not ValueError")
-def test_bug_vpp_infeasible_input_raises_assertion_error_instead_of_value_error():
+def test_vpp_infeasible_input_raises_a_value_error_naming_the_flag():
     """[2, 2, 2] with budget 2 on one rank needs 3 full micro-batches; VPP 2 allows 2 (too few)
-    or 4 (one idle). No plan exists, so a ValueError naming the flag is due; the scheduler
-    fails its internal assert instead (regression since 00b96ba: e091bc2 raised ValueError here)."""
+    or 4 (one idle). No plan exists: a ValueError naming the VPP flag (not an AssertionError)."""
     scheduler = build_scheduler(
         "default_dynamic_cp",
         dp_size=1,
@@ -568,5 +527,5 @@ def test_bug_vpp_infeasible_input_raises_assertion_error_instead_of_value_error(
         max_seqlen_per_dp_cp_rank=2,
         microbatch_group_size_per_vp_stage=2,
     )
-    with pytest.raises(ValueError, match="--"):
+    with pytest.raises(ValueError, match=VPP_FLAG):
         scheduler.schedule([2, 2, 2])
