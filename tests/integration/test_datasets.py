@@ -1,0 +1,242 @@
+"""Variable-length datasets: determinism, length specs, item layout, indexed round trip, errors."""
+
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from megatron_dcp.integration.datasets import (
+    DEFAULT_DISTRIBUTION,
+    IndexedDocumentDataset,
+    VarlenMockDataset,
+    build_varlen_datasets,
+    lengths_from_file,
+    parse_length_distribution,
+    split_document_ranges,
+)
+from megatron_dcp.integration.megatron_import import import_megatron_core
+
+MIXTURE = "mixture:0.9*lognormal:median=64,sigma=1.0,max=512|0.1*uniform:min=1K,max=2K"
+
+
+def mock(spec: str = "uniform:min=1,max=300", n: int = 40, seed: int = 7, **kw):
+    return VarlenMockDataset(n, parse_length_distribution(spec), 1000, seed, **kw)
+
+
+def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def check_item(item: Dict[str, torch.Tensor], vocab: int = 1000) -> None:
+    length = int(item["length"])
+    assert item["length"].dtype == torch.int64 and item["length"].dim() == 0
+    for key, dtype in (("tokens", torch.int64), ("labels", torch.int64)):
+        assert item[key].dtype == dtype and item[key].shape == (length,)
+    assert torch.equal(item["tokens"][1:], item["labels"][:-1])
+    assert item["loss_mask"].dtype == torch.float32
+    assert torch.equal(item["loss_mask"], torch.ones(length))
+    assert 1 <= int(item["tokens"].min()) and int(item["tokens"].max()) < vocab
+
+
+def test_mock_is_deterministic_in_any_access_order():
+    first, second = mock(), mock()
+    forward = [first[i] for i in range(len(first))]
+    order = np.random.default_rng(0).permutation(len(second))
+    shuffled = {int(i): second[int(i)] for i in order}
+    for i, item in enumerate(forward):
+        assert_same(item, shuffled[i])
+        assert_same(item, first[i])  # re-reading is stable too
+        check_item(item)
+
+
+def test_seed_and_split_change_the_data():
+    base = mock()
+    for other in (mock(seed=8), mock(split="valid")):
+        assert any(not torch.equal(base[i]["tokens"][:1], other[i]["tokens"][:1]) for i in range(5))
+
+
+@pytest.mark.parametrize(
+    "spec, low, high",
+    [
+        (DEFAULT_DISTRIBUTION, 128, 8192),
+        ("uniform:min=5,max=9", 5, 9),
+        ("constant:value=33", 33, 33),
+        (MIXTURE, 1, 2048),
+    ],
+)
+def test_lengths_follow_the_spec(spec: str, low: int, high: int):
+    data = mock(spec, n=300)
+    lengths = [data.sequence_length(i) for i in range(len(data))]
+    assert low <= min(lengths) and max(lengths) <= high
+    assert [int(data[i]["length"]) for i in range(3)] == lengths[:3]
+    if low < high:
+        assert len(set(lengths)) > 1
+
+
+def test_lognormal_mean_is_the_mean_of_the_unclipped_distribution():
+    data = mock("lognormal:mean=200,sigma=0.5", n=4000)
+    mean = sum(data.sequence_length(i) for i in range(len(data))) / len(data)
+    assert 185 < mean < 215
+
+
+def test_max_length_truncates():
+    data = mock("uniform:min=50,max=100", n=30, max_length=60)
+    lengths = [data.sequence_length(i) for i in range(len(data))]
+    assert max(lengths) == 60 and min(lengths) >= 50
+    assert all(data[i]["tokens"].numel() <= 60 for i in range(len(data)))
+
+
+def test_lengths_file_cycles_and_ignores_comments(tmp_path: Path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("# lengths\n3\n\n5  # five\n70\n")
+    data = VarlenMockDataset(7, lengths_from_file(str(path)), 50, 0, max_length=64)
+    assert [data.sequence_length(i) for i in range(7)] == [3, 5, 64, 3, 5, 64, 3]
+    assert [data[i]["tokens"].numel() for i in range(7)] == [3, 5, 64, 3, 5, 64, 3]
+    check_item(data[1], vocab=50)
+
+
+def test_dataloader_collates_to_one_row(tmp_path: Path):
+    data = mock(n=6)
+    loader = DataLoader(data, batch_size=1, shuffle=False)
+    batches = list(loader)
+    assert len(batches) == 6
+    for i, batch in enumerate(batches):
+        length = data.sequence_length(i)
+        assert batch["tokens"].shape == (1, length) and batch["labels"].shape == (1, length)
+        assert batch["loss_mask"].shape == (1, length) and batch["length"].tolist() == [length]
+
+
+def test_resume_and_workers_give_the_same_samples():
+    data = mock(n=12)
+    direct = [data[i] for i in range(12)]
+    resumed = DataLoader(data, batch_size=1, sampler=range(5, 12), num_workers=2)
+    for i, batch in zip(range(5, 12), resumed):
+        assert torch.equal(batch["tokens"][0], direct[i]["tokens"])
+
+
+def test_datasets_carry_megatrons_split():
+    import_megatron_core()
+    from megatron.core.datasets.utils import Split
+
+    train, valid, test = build_varlen_datasets(
+        seq_length=64, vocab_size=100, seed=1, num_samples=(4, 2, 0)
+    )
+    assert (train.split, valid.split, test) == (Split.train, Split.valid, None)
+
+
+# ---------------------------------------------------------------- indexed dataset
+
+
+def write_indexed(prefix: Path, documents: Sequence[List[int]]) -> str:
+    import_megatron_core()
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for document in documents:
+        builder.add_document(np.array(document, dtype=np.int32), [len(document)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+DOCUMENTS = [list(range(10, 10 + n)) for n in (5, 1, 12, 2, 30, 7)]  # doc 1 has no label
+
+
+def test_indexed_round_trip_truncates_and_skips_short_documents(tmp_path: Path):
+    prefix = write_indexed(tmp_path / "docs", DOCUMENTS)
+    data = IndexedDocumentDataset(prefix, max_length=8, num_samples=11)
+    assert [data.document(i) for i in range(11)] == [0, 2, 3, 4, 5] * 2 + [0]
+    for i in range(11):
+        item, document = data[i], DOCUMENTS[data.document(i)][:9]
+        assert item["tokens"].tolist() == document[:-1]
+        assert item["labels"].tolist() == document[1:]
+        assert int(item["length"]) == data.sequence_length(i) == len(document) - 1
+        check_item(item, vocab=100)
+
+
+def test_indexed_seeded_order_is_a_fresh_permutation_per_pass(tmp_path: Path):
+    prefix = write_indexed(tmp_path / "docs", [[1, 2, 3]] * 2 + DOCUMENTS * 3)
+    eligible = IndexedDocumentDataset(prefix, 16, 1).documents.tolist()
+    data = IndexedDocumentDataset(prefix, 16, 3 * len(eligible), seed=3)
+    again = IndexedDocumentDataset(prefix, 16, 3 * len(eligible), seed=3)
+    order = [data.document(i) for i in reversed(range(len(data)))][::-1]
+    assert order == [again.document(i) for i in range(len(again))]
+    passes = [order[k * len(eligible) : (k + 1) * len(eligible)] for k in range(3)]
+    assert all(sorted(p) == eligible for p in passes) and passes[0] != passes[1]
+    assert_same(data[4], again[4])
+
+
+def test_build_indexed_splits_documents(tmp_path: Path):
+    prefix = write_indexed(tmp_path / "docs", DOCUMENTS * 5)
+    assert split_document_ranges("80,20", 30) == ((0, 24), (24, 30), (30, 30))
+    train, valid, test = build_varlen_datasets(
+        seq_length=16,
+        vocab_size=100,
+        seed=0,
+        num_samples=(50, 10, 0),
+        data_path=[prefix],
+        split="80,20",
+    )
+    assert test is None
+    assert all(0 <= train.document(i) < 24 for i in range(50))
+    assert all(24 <= valid.document(i) < 30 for i in range(10))
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "lognormal:mean=1024",
+        "lognormal:mean=1,median=2",
+        "gamma:k=1",
+        "uniform:min=9,max=3",
+        "mixture:0.99*lognormal:median=8+0.01*uniform:min=1,max=2",
+    ],
+)
+def test_bad_distribution_names_the_flag(spec: str):
+    if spec == "lognormal:mean=1024":
+        assert parse_length_distribution(spec)  # sigma defaults to 1.0
+        return
+    with pytest.raises(ValueError, match="--varlen-distribution="):
+        build_varlen_datasets(
+            seq_length=8, vocab_size=10, seed=0, num_samples=(1, 0, 0), distribution=spec
+        )
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("4\nfour\n", "line 2 reads 'four'"), ("4\n0\n", "line 2 reads '0'"), ("# x\n", "no lengths")],
+)
+def test_bad_lengths_file_names_the_flag_and_line(tmp_path: Path, text: str, match: str):
+    path = tmp_path / "lengths.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"--varlen-lengths-file=.*{match}"):
+        lengths_from_file(str(path))
+    with pytest.raises(ValueError, match="--varlen-lengths-file=.*cannot read"):
+        lengths_from_file(str(tmp_path / "missing.txt"))
+
+
+def test_source_errors_name_the_flags(tmp_path: Path):
+    common = dict(seq_length=8, vocab_size=10, seed=0, num_samples=(1, 1, 1))
+    with pytest.raises(ValueError, match="--varlen-distribution=.* and --data-path="):
+        build_varlen_datasets(**common, distribution="uniform:min=1,max=2", data_path="x")
+    with pytest.raises(ValueError, match="--data-path='nowhere'.*not found"):
+        build_varlen_datasets(**common, data_path="nowhere")
+    with pytest.raises(ValueError, match="--data-path=.*blends are not supported"):
+        build_varlen_datasets(**common, data_path=["0.5", "a", "0.5", "b"])
+    with pytest.raises(ValueError, match="--seq-length=0"):
+        build_varlen_datasets(**{**common, "seq_length": 0})
+    prefix = write_indexed(tmp_path / "docs", DOCUMENTS)
+    with pytest.raises(ValueError, match="--split='100,0,0'.*valid split"):
+        build_varlen_datasets(**common, data_path=prefix, split="100,0,0")
+    with pytest.raises(ValueError, match="--split='a,b'"):
+        build_varlen_datasets(**common, data_path=prefix, split="a,b")
+    short = write_indexed(tmp_path / "short", [[1], [2]])
+    with pytest.raises(ValueError, match="--data-path=.*no document of 2 or more tokens"):
+        build_varlen_datasets(**{**common, "num_samples": (1, 0, 0)}, data_path=short)
