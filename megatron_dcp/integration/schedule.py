@@ -34,6 +34,7 @@ from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
 from megatron_dcp.scheduling import Plan
 from megatron_dcp.scheduling.registry import Scheduler
+from megatron_dcp.scheduling.simulator import rank_loads
 
 Sample = Dict[str, torch.Tensor]
 Batch = Dict[str, Any]
@@ -51,6 +52,8 @@ class BatchStats:
     sum_seqlen_squared: int
     local_tokens: int
     bytes_received: int
+    # Σ_micro-batch max-rank cost / Σ_micro-batch mean-rank cost, from the scheduler's cost model.
+    estimated_imbalance: float
 
 
 @dataclass
@@ -102,7 +105,8 @@ class DCPForwardBackward:
         plan_time = time.perf_counter() - start
         routed = self.route(plan, lengths, samples)
         batches = [self.pack(plan, index, routed.samples) for index in range(plan.num_microbatches)]
-        self.stats.append(batch_stats(plan, plan_time, batches, routed.bytes_received))
+        stats = batch_stats(plan, plan_time, batches, routed.bytes_received, self.scheduler)
+        self.stats.append(stats)
         return batches
 
     def route(self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample]) -> RoutedSamples:
@@ -156,7 +160,11 @@ def packed_seq_params_of(packed: PackedMicroBatch, cp_group: Any, dynamic: bool 
 
 
 def batch_stats(
-    plan: Plan, plan_time: float, batches: Sequence[Batch], bytes_received: int
+    plan: Plan,
+    plan_time: float,
+    batches: Sequence[Batch],
+    bytes_received: int,
+    scheduler: Scheduler,
 ) -> BatchStats:
     return BatchStats(
         num_microbatches=plan.num_microbatches,
@@ -166,7 +174,15 @@ def batch_stats(
         sum_seqlen_squared=sum(length * length for length in plan.seqlens),
         local_tokens=sum(int(b["tokens"].shape[-1]) for b in batches),
         bytes_received=bytes_received,
+        estimated_imbalance=estimated_imbalance(plan, scheduler.cost_model),
     )
+
+
+def estimated_imbalance(plan: Plan, cost: Any) -> float:
+    """Critical path over the mean per-rank load: 1.0 when every micro-batch is balanced."""
+    loads = [rank_loads(plan, microbatch, cost) for microbatch in plan.microbatches]
+    mean = sum(sum(row) / len(row) for row in loads)
+    return sum(max(row) for row in loads) / mean if mean > 0 else 1.0
 
 
 def sample_length(sample: Sample) -> int:

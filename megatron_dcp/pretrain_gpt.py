@@ -1,0 +1,160 @@
+"""GPT pretraining with Dynamic Context Parallelism on ``megatron.training``.
+
+    torchrun --standalone --nproc-per-node 8 -m megatron_dcp.pretrain_gpt \\
+        --dynamic-context-parallel --max-seqlen-per-dp-cp-rank 4096 ... (megatron's flags)
+
+Everything is megatron's own ``pretrain`` loop (checkpointing, logging, optimizer, schedules);
+DCP adds its flags, a variable-length dataset, and replaces the forward-backward function with
+the DCP wrapper. Without CUDA the CPU backend is chosen automatically and says so once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, List, Optional
+
+import torch
+
+from megatron_dcp.integration.cpu_training import cpu_notice, enable_cpu_training
+
+# At import time: the checkpoint writer's worker processes re-import this module.
+ON_CPU = enable_cpu_training()
+
+from megatron_dcp.integration.megatron_import import import_megatron_core  # noqa: E402
+
+import_megatron_core()
+
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.training import get_args, pretrain  # noqa: E402
+from megatron.training.argument_utils import (  # noqa: E402
+    gpt_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.utils import print_rank_0, print_rank_last  # noqa: E402
+
+from megatron_dcp.integration.attention import reference_layer_spec  # noqa: E402
+from megatron_dcp.integration.datasets import build_varlen_datasets  # noqa: E402
+from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
+from megatron_dcp.integration.patches import apply_patches  # noqa: E402
+from megatron_dcp.integration.training import (  # noqa: E402
+    DCPSettings,
+    add_dcp_args,
+    install_dcp_schedule,
+)
+from megatron_dcp.integration.validation import DCP_FLAG  # noqa: E402
+from megatron_dcp.scheduling import build_scheduler  # noqa: E402
+
+# On CPU: gloo, the local implementation, and no fusions that need CUDA kernels (TE RoPE,
+# APEX gradient accumulation, persistent layer norm). Explicit flags still win.
+CPU_DEFAULTS = {
+    "distributed_backend": "gloo",
+    "transformer_impl": "local",
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "no_persist_layer_norm": True,
+    "attention_dropout": 0.0,  # the reference attention has no dropout
+}
+
+
+def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_dcp_args(parser)
+    if ON_CPU:
+        parser.set_defaults(**CPU_DEFAULTS)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """megatron's arguments plus the DCP flags (with the CPU defaults when CUDA is absent)."""
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    return parse_and_validate_args(extra_args_provider=extra_args)
+
+
+def check_args(args: argparse.Namespace) -> DCPSettings:
+    """Every DCP setting checked before the first step (ValueErrors naming the flag)."""
+    if not args.dynamic_context_parallel:
+        raise ValueError(
+            f"megatron_dcp.pretrain_gpt trains with {DCP_FLAG}: add it (with "
+            "--sequence-packing-scheduler dp_balanced for the static-CP baseline)."
+        )
+    settings = DCPSettings.from_args(args)
+    if not args.calculate_per_token_loss:
+        print_rank_0(f"megatron_dcp: {DCP_FLAG} turns on --calculate-per-token-loss")
+        args.calculate_per_token_loss = True
+    check_domain(args, settings)
+    return settings
+
+
+def check_domain(args: argparse.Namespace, settings: DCPSettings) -> None:
+    """The DP×CP domain admits the settings, and the longest possible sample fits it."""
+    scheduler = build_scheduler(
+        settings.scheduler,
+        dp_size=args.data_parallel_size,
+        cp_size=args.context_parallel_size,
+        max_seqlen_per_dp_cp_rank=settings.max_seqlen_per_dp_cp_rank,
+        min_cp_size=settings.min_cp_size,
+    )
+    domain = scheduler.domain
+    static = settings.scheduler == "dp_balanced"
+    capacity = (domain.cp_size if static else domain.size) * domain.budget
+    if args.seq_length > capacity:
+        raise ValueError(
+            f"--seq-length={args.seq_length}: samples may be that long, but the DP×CP domain "
+            f"holds at most {capacity} tokens per sequence with {settings.scheduler} "
+            f"(--max-seqlen-per-dp-cp-rank={settings.max_seqlen_per_dp_cp_rank}, dp "
+            f"{args.data_parallel_size} × cp {args.context_parallel_size}). Lower --seq-length "
+            "or raise --max-seqlen-per-dp-cp-rank."
+        )
+
+
+def layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
+    """The reference THD/CP attention on CPU; megatron's default (Transformer Engine) on GPU."""
+    if ON_CPU or config.transformer.transformer_impl == "local":
+        return reference_layer_spec()
+    from megatron.training.models.gpt import default_layer_spec
+
+    return default_layer_spec(config, vp_stage)
+
+
+def datasets_provider(train_val_test_num_samples: List[int]) -> Any:
+    """megatron's dataset provider: variable-length samples, one sequence each."""
+    args = get_args()
+    return build_varlen_datasets(
+        seq_length=args.seq_length,
+        vocab_size=args.padded_vocab_size or args.vocab_size,
+        seed=args.seed,
+        num_samples=train_val_test_num_samples,
+        distribution=args.varlen_distribution,
+        lengths_file=args.varlen_lengths_file,
+        data_path=args.data_path,
+        split=args.split,
+    )
+
+
+# Every rank builds its datasets: each rank feeds the DCP wrapper (tensor-parallel ranks too).
+datasets_provider.is_distributed = True
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    settings = check_args(args)
+    if ON_CPU:
+        print_rank_0(cpu_notice())
+    apply_patches()
+    install_dcp_schedule(settings, log=print_rank_last)
+    model_config = gpt_config_from_args(args)
+    model_config.transformer_layer_spec = layer_spec
+    pretrain(
+        pretrain_cfg_container_from_args(args, model_config),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
+
+
+if __name__ == "__main__":
+    if ON_CPU:
+        torch.set_num_threads(1)  # several ranks share the few cores
+    main()
