@@ -1,0 +1,48 @@
+"""The RL/post-training adapter: DCP for engines where every rank holds the whole mini-batch.
+
+One mini-batch, on every rank of the DP×CP domain::
+
+    split = split_batch(samples, groups, settings)          # plan + this rank's micro-batches
+    for mb in split.microbatches:                           # CP size may differ per micro-batch
+        out = model(..., packed_seq_params=mb.packed_seq_params)
+        token_mean_loss(out, mb, split).backward()           # scale: see docs/rl_adapter.md
+    log_probs = merge_outputs(local_log_probs, split, groups) # per sample, in order, every rank
+
+``split`` (planning and packing), ``merge`` (gathering outputs) and ``loss`` (normalisation)
+hold the code; this module is the public surface.
+"""
+
+from megatron_dcp.adapters.loss import (
+    GradReduce,
+    split_loss_scale,
+    token_mean_loss,
+    token_mean_scale,
+)
+from megatron_dcp.adapters.merge import GroupLayout, group_layout, merge_outputs, reassemble
+from megatron_dcp.adapters.split import (
+    DCPSettings,
+    RankMicroBatch,
+    SplitBatch,
+    global_num_tokens,
+    plan_batch,
+    shard_per_token,
+    split_batch,
+)
+
+__all__ = [
+    "DCPSettings",
+    "GradReduce",
+    "GroupLayout",
+    "RankMicroBatch",
+    "SplitBatch",
+    "global_num_tokens",
+    "group_layout",
+    "merge_outputs",
+    "plan_batch",
+    "reassemble",
+    "shard_per_token",
+    "split_batch",
+    "split_loss_scale",
+    "token_mean_loss",
+    "token_mean_scale",
+]

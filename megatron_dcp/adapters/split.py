@@ -1,0 +1,253 @@
+"""Split a mini-batch that every rank holds into this rank's DCP micro-batches.
+
+RL engines (verl-style) hand every rank of the DP×CP domain the same mini-batch of rollouts. The
+plan is a pure function of the lengths, so every rank computes the same plan locally and keeps
+the samples of the CP groups it belongs to: no routing, no length exchange. Each micro-batch may
+run on a different CP size (the pretraining scheduler picks a CP degree per sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from megatron_dcp.integration.schedule import Batch, as_sample, batch_of, packed_seq_params_of
+from megatron_dcp.integration.validation import validate_budget, validate_scheduler_name
+from megatron_dcp.runtime.groups import DCPGroups
+from megatron_dcp.runtime.packing import (
+    PackedMicroBatch,
+    pack_samples,
+    padding_multiple,
+    zigzag_slice,
+)
+from megatron_dcp.scheduling import CostModel, CPGroup, Plan, build_scheduler
+
+Sample = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DCPSettings:
+    """What the scheduler and the packing need besides the lengths and the domain.
+
+    ``cp_size`` is the static CP size of the model (megatron's ``context_parallel_size``): the
+    domain of N positions is ``N // cp_size`` DP replicas × ``cp_size``; only ``dp_balanced``
+    (static CP) uses the split, the DCP scheduler sees N ranks.
+    """
+
+    max_seqlen_per_dp_cp_rank: int
+    cp_size: int = 1
+    scheduler: str = "default_dynamic_cp"
+    min_cp_size: int = 1
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    cost_model: Optional[CostModel] = None
+
+    def __post_init__(self) -> None:
+        validate_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
+        validate_scheduler_name(self.scheduler)
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size={self.cp_size}: the static CP size must be >= 1")
+
+    @classmethod
+    def from_config(
+        cls, config: Any, max_seqlen_per_dp_cp_rank: int, **overrides: Any
+    ) -> "DCPSettings":
+        """Settings for a megatron model with TransformerConfig ``config`` (CP, TP, sequence
+        parallel and the VPP micro-batch group size are read from it)."""
+        vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+        values = dict(
+            max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
+            cp_size=config.context_parallel_size,
+            microbatch_group_size_per_vp_stage=(
+                config.microbatch_group_size_per_vp_stage if vpp else None
+            ),
+            tp_size=config.tensor_model_parallel_size,
+            sequence_parallel=config.sequence_parallel,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def pad_multiple(self, group_size: int) -> int:
+        """Every sequence of a CP group of ``group_size`` is padded to a multiple of this."""
+        return padding_multiple(group_size, self.tp_size, self.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class RankMicroBatch:
+    """This rank's share of one micro-batch of the plan.
+
+    ``sample_ids`` are the group's samples in packing order (every rank of the group packs the
+    same ones); ``cp_rank`` is this rank's index in its CP group of ``local_cp_size`` ranks;
+    ``cp_group`` is None when ``local_cp_size`` is 1 (no CP communication).
+    """
+
+    index: int
+    sample_ids: tuple[int, ...]
+    local_cp_size: int
+    cp_rank: int
+    cp_group: Optional[ProcessGroup]
+    packed: PackedMicroBatch
+    packed_seq_params: Any
+
+    def as_batch(self) -> Batch:
+        """The dict ``integration.gpt_step.forward_step`` takes, for megatron's schedules."""
+        return dict(batch_of(self.packed, self.cp_group), packed_seq_params=self.packed_seq_params)
+
+
+@dataclass(frozen=True)
+class SplitBatch:
+    """A mini-batch split for one rank: the plan (the same on every rank), this rank's
+    ``position`` in the domain and its micro-batches (one per micro-batch of the plan), and the
+    mini-batch's loss-carrying token count, each real token counted once."""
+
+    plan: Plan
+    settings: DCPSettings
+    position: int
+    microbatches: tuple[RankMicroBatch, ...]
+    num_tokens: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.plan.seqlens)
+
+    @property
+    def local_num_tokens(self) -> int:
+        """Loss-carrying tokens this rank holds (its zigzag chunks only)."""
+        return sum(mb.packed.num_tokens for mb in self.microbatches)
+
+
+def plan_batch(seqlens: Sequence[int], domain_size: int, settings: DCPSettings) -> Plan:
+    """The plan of a mini-batch with ``seqlens`` over a domain of ``domain_size`` positions; a
+    pure function of its inputs, so every rank computes the same plan without communication."""
+    if domain_size < 1 or domain_size % settings.cp_size:
+        raise ValueError(
+            f"domain_size={domain_size}: must be a positive multiple of the static "
+            f"cp_size={settings.cp_size} (DP×CP ranks); check DCPSettings.cp_size"
+        )
+    scheduler = build_scheduler(
+        settings.scheduler,
+        dp_size=domain_size // settings.cp_size,
+        cp_size=settings.cp_size,
+        max_seqlen_per_dp_cp_rank=settings.max_seqlen_per_dp_cp_rank,
+        min_cp_size=settings.min_cp_size,
+        microbatch_group_size_per_vp_stage=settings.microbatch_group_size_per_vp_stage,
+        cost_model=settings.cost_model,
+    )
+    return scheduler.schedule(seqlens)
+
+
+def split_batch(
+    samples: Sequence[Mapping[str, Any]],
+    groups: DCPGroups,
+    settings: DCPSettings,
+    plan: Optional[Plan] = None,
+) -> SplitBatch:
+    """This rank's micro-batches of a mini-batch that every rank holds in full.
+
+    ``samples``: dicts with 1-D (or ``[1, L]``) ``tokens``, ``labels``, ``loss_mask``; sample id =
+    index. ``groups``: the DCP process groups (``integration.dcp.create_dcp_groups`` in megatron,
+    whose domain is the DP×CP group). ``plan``: a plan computed ahead (e.g. for the next
+    mini-batch, off the critical path); by default it is computed here.
+    """
+    clean = [as_sample(sample) for sample in samples]
+    seqlens = [int(sample["tokens"].numel()) for sample in clean]
+    plan = plan if plan is not None else plan_batch(seqlens, groups.domain_size, settings)
+    _check_plan(plan, seqlens, groups.domain_size)
+    microbatches = tuple(
+        _rank_microbatch(index, group, clean, groups, settings)
+        for index, group in enumerate(_groups_of(plan, groups.position))
+    )
+    return SplitBatch(plan, settings, groups.position, microbatches, global_num_tokens(clean))
+
+
+def global_num_tokens(samples: Sequence[Mapping[str, Any]]) -> int:
+    """Loss-carrying tokens (``loss_mask != 0``) of the whole mini-batch, each counted once. Every
+    rank holds the mini-batch, so no collective is needed (and none can double-count)."""
+    return sum(int((torch.as_tensor(s["loss_mask"]) != 0).sum()) for s in samples)
+
+
+def shard_per_token(
+    values: Sequence[torch.Tensor], split: SplitBatch, index: int, fill: float = 0
+) -> torch.Tensor:
+    """This rank's share of a per-token quantity of the whole mini-batch (advantages, old
+    log-probs, response masks...) for micro-batch ``index``, laid out like its packed tokens.
+
+    ``values[j]`` is sample ``j``'s tensor ``[len_j, *feature]``; the result is
+    ``[1, T_local, *feature]`` with padding set to ``fill``: what ``merge_outputs`` inverts.
+    """
+    _check_values(values, split.plan.seqlens)
+    microbatch = split.microbatches[index]
+    kept = [values[j] for j in microbatch.sample_ids if split.plan.seqlens[j] > 0]
+    bounds = microbatch.packed.cu_seqlens_padded
+    template = values[0]
+    full = template.new_full((int(bounds[-1]), *template.shape[1:]), fill)
+    for start, value in zip(bounds.tolist(), kept):
+        full[start : start + value.shape[0]] = value
+    local = zigzag_slice(full, bounds, microbatch.local_cp_size, microbatch.cp_rank)
+    return local.unsqueeze(0)
+
+
+def _check_values(values: Sequence[torch.Tensor], seqlens: Sequence[int]) -> None:
+    """One tensor per sample, each as long as its sample, one per-token shape for all."""
+    if len(values) != len(seqlens) or not values:
+        raise ValueError(
+            f"values has {len(values)} tensors; pass one per sample of the mini-batch "
+            f"({len(seqlens)}), in sample-id order"
+        )
+    for sample_id, (value, length) in enumerate(zip(values, seqlens)):
+        if value.dim() < 1 or value.shape[0] != length or value.shape[1:] != values[0].shape[1:]:
+            raise ValueError(
+                f"values[{sample_id}] has shape {tuple(value.shape)}; expected [{length}, "
+                f"*{tuple(values[0].shape[1:])}] (the sample's length, then one per-token shape)"
+            )
+
+
+def _groups_of(plan: Plan, position: int) -> list[CPGroup]:
+    """The CP group holding ``position`` in every micro-batch of the plan, in order."""
+    return [microbatch.group_of(position) for microbatch in plan.microbatches]
+
+
+def _rank_microbatch(
+    index: int,
+    group: CPGroup,
+    samples: Sequence[Sample],
+    groups: DCPGroups,
+    settings: DCPSettings,
+) -> RankMicroBatch:
+    """Pack one micro-batch's group samples and slice this rank's zigzag share."""
+    cp_rank = groups.position - group.ranks[0]
+    packed = pack_samples(
+        [samples[i] for i in group.sample_ids],
+        group.size,
+        cp_rank,
+        settings.pad_multiple(group.size),
+    )
+    cp_group = groups.group_for(group) if group.size > 1 else None
+    return RankMicroBatch(
+        index=index,
+        sample_ids=group.sample_ids,
+        local_cp_size=group.size,
+        cp_rank=cp_rank,
+        cp_group=cp_group,
+        packed=packed,
+        packed_seq_params=packed_seq_params_of(packed, cp_group),
+    )
+
+
+def _check_plan(plan: Plan, seqlens: Sequence[int], domain_size: int) -> None:
+    """A plan passed in must be for these lengths and this domain."""
+    if tuple(plan.seqlens) != tuple(seqlens):
+        raise ValueError(
+            f"plan is for {len(plan.seqlens)} samples with lengths {list(plan.seqlens)[:8]}..., "
+            f"not for this mini-batch ({len(seqlens)} samples, {list(seqlens)[:8]}...); "
+            "plan it with plan_batch(seqlens, ...)"
+        )
+    if plan.domain.size != domain_size:
+        raise ValueError(
+            f"plan is for a domain of {plan.domain.size} ranks, the DCP groups span {domain_size}; "
+            "plan it with plan_batch(seqlens, groups.domain_size, settings)"
+        )
