@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_dcp.scheduling.domain import Block, Domain, is_power_of_two
 
@@ -13,12 +13,24 @@ def _children(domain: Domain, block: Block) -> Tuple[Block, ...]:
     return domain.children(block)
 
 
-@lru_cache(maxsize=1 << 16)
-def _reaches(domain: Domain, block: Block, size: int) -> bool:
-    """True when splitting ``block`` along the domain tree yields a block of ``size`` ranks."""
+@lru_cache(maxsize=64)
+def _reach_table(domain: Domain) -> Dict[Tuple[int, int, int], bool]:
+    """Memo of :func:`_reaches` for one domain, keyed by (start, block size, size)."""
+    return {}
+
+
+def _reaches(domain: Domain, block: Block, size: int, table: Dict) -> bool:
+    """True when splitting ``block`` along the domain tree yields a block of ``size`` ranks
+    (``table``: the domain's :func:`_reach_table`)."""
     if block.size == size:
         return True
-    return block.size > size and any(_reaches(domain, c, size) for c in _children(domain, block))
+    key = (block.start, block.size, size)
+    value = table.get(key)
+    if value is None:
+        children = _children(domain, block)
+        value = block.size > size and any(_reaches(domain, c, size, table) for c in children)
+        table[key] = value
+    return value
 
 
 class BuddyAllocator:
@@ -28,25 +40,30 @@ class BuddyAllocator:
     def __init__(self, domain: Domain) -> None:
         self.domain = domain
         self.free: List[Block] = [domain.root()]
+        self._table = _reach_table(domain)
 
     def allocate(self, size: int) -> Optional[Block]:
-        """Take a free block of exactly ``size`` positions, splitting a larger one if needed."""
+        """Take a free block of exactly ``size`` positions (the lowest), splitting the smallest
+        larger block that can yield one if needed; None when none can."""
         while True:
-            candidates = sorted(
-                (b for b in self.free if b.size >= size), key=lambda b: (b.size, b.start)
-            )
-            block = next((b for b in candidates if b.size == size), None)
-            if block is not None:
+            exact = [b for b in self.free if b.size == size]
+            if exact:
+                block = min(exact, key=lambda b: b.start)
                 self.free.remove(block)
                 return block
-            splittable = next((b for b in candidates if _children(self.domain, b)), None)
-            if splittable is None:
+            larger = [b for b in self.free if b.size > size and self._reaches(b, size)]
+            if not larger:
                 return None
+            splittable = min(larger, key=lambda b: (b.size, b.start))
             self.free.remove(splittable)
             self.free.extend(_children(self.domain, splittable))
 
     def can_allocate(self, size: int) -> bool:
-        return any(b.size >= size and _reaches(self.domain, b, size) for b in self.free)
+        """True when a block of ``size`` ranks can be taken (directly or by splitting)."""
+        return any(b.size >= size and self._reaches(b, size) for b in self.free)
+
+    def _reaches(self, block: Block, size: int) -> bool:
+        return _reaches(self.domain, block, size, self._table)
 
 
 def parent_block(domain: Domain, block: Block) -> Block:

@@ -26,7 +26,8 @@ what costs time is imbalance *inside* a micro-batch and CP overhead. Steps (each
 Batches of at most ``SEARCH_SAMPLES`` samples also try step 2 with every micro-batch formed from
 the whole pool, and keep the better plan (``plan_rank``). Cost: each micro-batch scans its pool
 once per trial (a pass stops after ``FAIL_LIMIT`` consecutive misses once no rank is free), with
-one heap of groups per CP size: O(K · T · n log N) for K micro-batches, T ≤ ``TRIALS``, n samples.
+one heap of groups per CP size: O(K · T · n log N) for K micro-batches, T ≤ ``TRIALS`` trials
+and n samples.
 """
 
 from __future__ import annotations
@@ -42,28 +43,30 @@ from megatron_dcp.scheduling.draft import GroupDraft, Item, freeze_microbatch
 from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.registry import VPP_FLAG, Scheduler
 
+# A sample is heavy (opens a micro-batch of its own level) when it costs more per rank than
+# HEAVY × the mean level and reaching that level would cost it HEAVY_WASTE more CP overhead.
+HEAVY = 1.25
+HEAVY_WASTE = 0.02
 # CP sizes tried for the sample that opens a micro-batch, and the efficiency that ends the trials.
 TRIALS = 3
-# A sample is heavy (opens a micro-batch with its own level) when reaching the mean level would
-# cost it more than this fraction of extra CP overhead.
-HEAVY_WASTE = 0.02
-HEAVY = 1.25
 GOOD_EFFICIENCY = 0.97
+# Trials whose efficiencies differ by at most this much tie (then fewer leftovers win).
+SCORE_TIE = 1e-4
 # A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free).
 FAIL_LIMIT = 48
 # Groups skipped per CP size when the least-loaded ones lack token room for a sample.
 SKIP_LIMIT = 8
-# Bucket equalization: moves per micro-batch, samples of the top group and partners examined.
-EQUALIZE_STEPS = 8
-EQUALIZE_ITEMS = 12
-EQUALIZE_PARTNERS = 4
-EPS = 1e-9
+# The last micro-batch may exceed its level by this fraction to save one more micro-batch.
+LAST_SLACK = 0.02
+# rebalance_row: moves per micro-batch, samples of the top group and partners examined.
+REBALANCE_STEPS = 8
+REBALANCE_ITEMS = 12
+REBALANCE_PARTNERS = 4
 # Batches of at most this many samples also try the all-levels variant of ``plan_rows``.
 SEARCH_SAMPLES = 256
 # A plan within this factor of the lower bound is good enough: then fewer micro-batches win.
 GOOD_PLAN = 1.02
-# The last micro-batch may exceed its level by this fraction to save one more micro-batch.
-LAST_SLACK = 0.02
+EPS = 1e-9
 
 Row = List[GroupDraft]
 HeapEntry = Tuple[float, int, GroupDraft]
@@ -74,7 +77,7 @@ class Context:
 
     def __init__(self, domain: Domain, cost: CostModel) -> None:
         self.domain, self.cost = domain, cost
-        self._loads: Dict[Tuple[int, int], object] = {}
+        self._loads: Dict[Tuple[int, int], float] = {}
         self._work: Dict[int, float] = {}
         self._sizes: Dict[int, Tuple[int, ...]] = {}
         self._openable: Dict[int, bool] = {}
@@ -85,15 +88,6 @@ class Context:
         value = self._loads.get(key)
         if value is None:
             value = self._loads[key] = self.cost.per_rank(seqlen, size)
-        return value
-
-    def loads(self, item: Item) -> Tuple[float, ...]:
-        """Per-rank costs of ``item`` on each size of :meth:`sizes_from` its minimum CP size."""
-        key = (item.seqlen, -item.min_cp)
-        value = self._loads.get(key)
-        if value is None:
-            sizes = self.sizes_from(item.min_cp)
-            value = self._loads[key] = tuple(self.load(item.seqlen, s) for s in sizes)
         return value
 
     def min_work(self, item: Item) -> float:
@@ -157,10 +151,10 @@ def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
 
 
 def plan_rows(ctx: Context, pool: List[Item], all_heavy: bool = False) -> List[Row]:
-    """Micro-batches (rows of groups) until every sample of ``pool`` (heaviest first) is placed:
-    while a sample is too heavy for the mean level (or always, with ``all_heavy``), the heaviest
-    opens a micro-batch of its own level that takes fillers from the whole pool; the rest is split
-    into buckets of equal work, one micro-batch each."""
+    """Step 2: micro-batches (rows of groups) until every sample of ``pool`` (heaviest first) is
+    placed. While a sample is heavy (or always, with ``all_heavy``), the heaviest opens a
+    micro-batch of its own level that takes fillers from the whole pool; the rest is split into
+    buckets of equal work, one micro-batch each, leftovers carried to the next."""
     rows: List[Row] = []
     while pool and (all_heavy or is_heavy(ctx, pool)):
         row, pool = next_hdp_group(ctx, pool)
@@ -193,15 +187,15 @@ def promotion_waste(ctx: Context, item: Item, level: float) -> float:
     least = ctx.min_work(item)
     if ctx.load(item.seqlen, item.min_cp) <= level or least <= 0:
         return 0.0
-    for size, load in zip(ctx.sizes_from(item.min_cp), ctx.loads(item)):
-        if load <= level:
+    for size in ctx.sizes_from(item.min_cp):
+        if ctx.load(item.seqlen, size) <= level:
             break
-    return load * size / least - 1.0
+    return ctx.load(item.seqlen, size) * size / least - 1.0
 
 
 def equalize_buckets(ctx: Context, pool: Sequence[Item]) -> List[List[Item]]:
-    """Bucket equalization: LPT of ``pool`` into the fewest buckets of N × budget tokens its tokens
-    need (more when LPT cannot fit them), equal least work each; empty buckets dropped."""
+    """Step 2b, bucket equalization: LPT of ``pool`` into the fewest buckets of N × budget tokens
+    its tokens need (more when LPT cannot fit them), equal least work each; empties dropped."""
     capacity = ctx.domain.size * ctx.domain.budget
     count = max(1, -(-sum(item.seqlen for item in pool) // capacity))
     buckets = lpt_partition(pool, count, capacity, ctx.min_work)
@@ -212,17 +206,15 @@ def equalize_buckets(ctx: Context, pool: Sequence[Item]) -> List[List[Item]]:
 
 
 def next_hdp_group(ctx: Context, pool: Sequence[Item]) -> Tuple[Row, List[Item]]:
-    """Step 2: form one micro-batch from ``pool`` (heaviest first; non-empty). Returns its groups,
+    """Step 3: form one micro-batch from ``pool`` (heaviest first; non-empty). Returns its groups,
     which partition the domain with no idle rank, and the samples left for later micro-batches."""
     floor = fill_level(ctx, pool)
     last = sum(item.seqlen for item in pool) <= ctx.domain.size * ctx.domain.budget
     best: Optional[Tuple[float, Row, List[Item]]] = None
     for size in trial_sizes(ctx, pool[0], floor):
-        groups, leftovers = lay_out(ctx, pool, size, floor, force=False)
-        if last and leftovers:
-            groups, leftovers = last_microbatch(ctx, pool, size, floor, (groups, leftovers))
+        groups, leftovers = lay_out(ctx, pool, size, floor, last)
         score = efficiency(ctx, groups)
-        if best is None or score > best[0] + EPS:
+        if best is None or better_trial((score, len(leftovers)), (best[0], len(best[2]))):
             best = (score, groups, leftovers)
         if score >= GOOD_EFFICIENCY:
             break
@@ -231,33 +223,40 @@ def next_hdp_group(ctx: Context, pool: Sequence[Item]) -> Tuple[Row, List[Item]]
     return best[1], best[2]
 
 
+def better_trial(new: Tuple[float, int], old: Tuple[float, int]) -> bool:
+    """(efficiency, leftover count) of two trials: higher efficiency wins; within ``SCORE_TIE``,
+    fewer leftovers (fewer micro-batches)."""
+    if abs(new[0] - old[0]) <= SCORE_TIE:
+        return new[1] < old[1]
+    return new[0] > old[0]
+
+
 def lay_out(
-    ctx: Context, pool: Sequence[Item], size: int, floor: float, force: bool
+    ctx: Context, pool: Sequence[Item], size: int, floor: float, last: bool
 ) -> Tuple[Row, List[Item]]:
     """One trial of :func:`next_hdp_group`: ``pool[0]`` opens on ``size`` ranks, the rest fills up
-    to the level (then, with ``force``, beyond it), and idle ranks are filled."""
+    to the level (the ``last`` micro-batch may absorb what is left), and idle ranks are filled."""
     layout = Layout(ctx)
     layout.open(pool[0], size, floor)
     leftovers = layout.fill_from(pool[1:])
-    if force and leftovers:
-        layout.level = float("inf")
-        leftovers = layout.fill_from(leftovers)
-    fill_empty_ranks(ctx, layout.groups, layout.free)
+    if last and leftovers:
+        leftovers = absorb_leftovers(ctx, layout, leftovers)
+    fill_empty_ranks(ctx, layout.groups, layout.free, leftovers)
     return layout.groups, leftovers
 
 
-def last_microbatch(
-    ctx: Context, pool: Sequence[Item], size: int, floor: float, unforced: Tuple[Row, List[Item]]
-) -> Tuple[Row, List[Item]]:
-    """When ``pool`` fits one micro-batch by tokens, place the leftovers above the level if that
-    costs less than the extra micro-batch they would need (their work / N), give or take
-    ``LAST_SLACK`` of the level: one micro-batch fewer is worth that much."""
-    groups, leftovers = unforced
-    extra = sum(map(ctx.min_work, leftovers)) / ctx.domain.size
-    forced = lay_out(ctx, pool, size, floor, force=True)
-    peak = max(g.load for g in groups)
-    cheaper = max(g.load for g in forced[0]) <= peak * (1 + LAST_SLACK) + extra
-    return forced if cheaper else unforced
+def absorb_leftovers(ctx: Context, layout: "Layout", leftovers: List[Item]) -> List[Item]:
+    """The last micro-batch places its leftovers above the level when that costs less than the
+    extra micro-batch they would need (their work / N), give or take ``LAST_SLACK`` of the peak:
+    one micro-batch fewer is worth that much. Returns the samples still left."""
+    peak = max(group.load for group in layout.groups)
+    limit = peak * (1 + LAST_SLACK) + sum(map(ctx.min_work, leftovers)) / ctx.domain.size
+    layout.level, layout.journal = float("inf"), []
+    rest = layout.fill_from(leftovers)
+    if max(group.load for group in layout.groups) > limit:
+        layout.undo()
+        return leftovers
+    return rest
 
 
 def fill_level(ctx: Context, pool: Sequence[Item]) -> float:
@@ -303,7 +302,11 @@ class Layout:
         self.free = BuddyAllocator(ctx.domain)
         self.groups: Row = []
         self.heaps: Dict[int, List[HeapEntry]] = {}
+        self.sizes: List[int] = []  # the keys of ``heaps``, ascending
         self.level = 0.0
+        self.shortest = 0  # the shortest sample still to place: groups with less room are full
+        # Placements (group, sample, load, fresh) recorded for :meth:`undo` when not None.
+        self.journal: Optional[List[Tuple[GroupDraft, Item, float, bool]]] = None
 
     def open(self, item: Item, size: int, floor: float) -> None:
         """Place the first sample on a fresh group of ``size`` ranks; the level is its cost or
@@ -315,6 +318,7 @@ class Layout:
         """Place what fits of ``pool`` (heaviest first), then top up lightest first; returns the
         samples not placed, in pool order."""
         taken = [False] * len(pool)
+        self.shortest = min((item.seqlen for item in pool), default=0)
         resume = self._pass(pool, range(len(pool)), taken)
         self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
         return [item for item, was_taken in zip(pool, taken) if not was_taken]
@@ -339,39 +343,62 @@ class Layout:
         else on the least-loaded group where it fits; False when it fits nowhere."""
         return self._place_fresh(item) or self._join(item)
 
+    def undo(self) -> None:
+        """Take back the placements recorded in the journal (the heaps are not kept: call only
+        when no more samples will be placed)."""
+        for group, item, load, fresh in reversed(self.journal or []):
+            group.pop(item, load)
+            if fresh:
+                self.groups.remove(group)
+                self.free.free.append(group.block)
+        self.journal = None
+
     def _place_fresh(self, item: Item) -> bool:
         if not self.free.free:
             return False
-        for size, load in zip(self.ctx.sizes_from(item.min_cp), self.ctx.loads(item)):
-            if load <= self.level and self.free.can_allocate(size):
+        for size in self.ctx.sizes_from(item.min_cp):
+            if self.ctx.load(item.seqlen, size) <= self.level and self.free.can_allocate(size):
                 self._add_group(item, size)
                 return True
         return False
 
     def _join(self, item: Item) -> bool:
         """Add ``item`` to the group where its resulting load is least and within the level."""
-        best: Optional[Tuple[float, int, float]] = None
+        best_total, best_size = self.level, 0
         skipped: List[Tuple[int, HeapEntry]] = []
-        budget, seqlen, heaps = self.ctx.domain.budget, item.seqlen, self.heaps
-        for size, load in zip(self.ctx.sizes_from(item.min_cp), self.ctx.loads(item)):
-            heap = heaps.get(size)
-            if not heap:
+        seqlen, budget, load_of = item.seqlen, self.ctx.domain.budget, self.ctx.load
+        for size in self.sizes:
+            heap = self.heaps[size]
+            if size < item.min_cp or not heap:
                 continue
-            limit = size * budget - seqlen
-            while heap and heap[0][2].tokens > limit and len(skipped) < SKIP_LIMIT:
-                skipped.append((size, heapq.heappop(heap)))
-            if heap and heap[0][2].tokens <= limit:
-                total = heap[0][0] + load
-                if total <= self.level and (best is None or total < best[0]):
-                    best = (total, size, load)
-        if best is not None:
-            _, size, load = best
-            group = heapq.heappop(heaps[size])[2]
-            group.push(item, load)
-            heapq.heappush(heaps[size], (group.load, group.block.start, group))
-        for size, entry in skipped:
-            heapq.heappush(heaps[size], entry)
-        return best is not None
+            if heap[0][2].tokens > size * budget - seqlen:
+                self._skip_full(heap, size, seqlen, skipped)
+                if not heap or heap[0][2].tokens > size * budget - seqlen:
+                    continue
+            total = heap[0][0] + load_of(seqlen, size)
+            if total < best_total or (total == best_total and not best_size):
+                best_total, best_size = total, size
+        if best_size:
+            heap = self.heaps[best_size]
+            group = heapq.heappop(heap)[2]
+            group.push(item, load_of(seqlen, best_size))
+            heapq.heappush(heap, (group.load, group.block.start, group))
+            if self.journal is not None:
+                self.journal.append((group, item, load_of(seqlen, best_size), False))
+        for size, entry in skipped:  # groups too full for any sample of the pool leave the heap
+            if size * budget - entry[2].tokens >= self.shortest:
+                heapq.heappush(self.heaps[size], entry)
+        return bool(best_size)
+
+    def _skip_full(
+        self, heap: List[HeapEntry], size: int, seqlen: int, skipped: List[Tuple[int, HeapEntry]]
+    ) -> None:
+        """Pop (into ``skipped``) up to ``SKIP_LIMIT`` least-loaded groups without token room."""
+        limit = size * self.ctx.domain.budget - seqlen
+        for _ in range(SKIP_LIMIT):
+            if not heap or heap[0][2].tokens <= limit:
+                return
+            skipped.append((size, heapq.heappop(heap)))
 
     def _add_group(self, item: Item, size: int) -> None:
         block = self.free.allocate(size)
@@ -379,23 +406,41 @@ class Layout:
         group = GroupDraft(block)
         group.push(item, self.ctx.load(item.seqlen, size))
         self.groups.append(group)
-        heapq.heappush(self.heaps.setdefault(size, []), (group.load, block.start, group))
+        if self.journal is not None:
+            self.journal.append((group, item, group.load, True))
+        if size not in self.heaps:
+            self.heaps[size] = []
+            self.sizes = sorted(self.heaps)
+        heapq.heappush(self.heaps[size], (group.load, block.start, group))
 
 
-def fill_empty_ranks(ctx: Context, groups: Row, free: BuddyAllocator) -> None:
-    """Step 3: no rank may be idle. Each free block (smallest first) takes the sample whose move
-    from a group holding several leaves the lowest load, else it and its neighbouring groups merge
-    into one group over the parent block."""
+def fill_empty_ranks(
+    ctx: Context, groups: Row, free: BuddyAllocator, spare: Optional[List[Item]] = None
+) -> None:
+    """Step 4: no rank may be idle. Each free block (smallest first) takes the sample whose move
+    from a group holding several leaves the lowest load, else the lightest fitting sample of
+    ``spare`` (removed from it), else it and its neighbouring groups merge into one group over
+    the parent block."""
     while free.free:
         block = min(free.free, key=lambda b: (b.size, b.start))
         free.free.remove(block)
-        item = take_donor(ctx, groups, block)
+        item = take_donor(ctx, groups, block) or take_spare(ctx, spare or [], block)
         if item is not None:
             group = GroupDraft(block)
             group.push(item, ctx.load(item.seqlen, block.size))
             groups.append(group)
         else:
             merge_into_parent(ctx, groups, free, block)
+
+
+def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:
+    """Remove and return the last (lightest, for a heaviest-first list) sample of ``spare`` that
+    fits ``block``; None when none does."""
+    for index in range(len(spare) - 1, -1, -1):
+        item = spare[index]
+        if item.min_cp <= block.size and item.seqlen <= block.size * ctx.domain.budget:
+            return spare.pop(index)
+    return None
 
 
 def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
@@ -409,7 +454,8 @@ def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
             if item.min_cp > block.size or item.seqlen > block.size * ctx.domain.budget:
                 continue
             remaining = group.load - ctx.load(item.seqlen, group.size)
-            key = (max(remaining, ctx.load(item.seqlen, block.size)), group.block.start, item.sample_id)
+            peak = max(remaining, ctx.load(item.seqlen, block.size))
+            key = (peak, group.block.start, item.sample_id)
             if best is None or key < best[0]:
                 best = (key, group, item)
     if best is None:
@@ -420,24 +466,28 @@ def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
 
 
 def merge_into_parent(ctx: Context, groups: Row, free: BuddyAllocator, block: Block) -> None:
-    """Replace ``block``'s parent subtree (groups and free blocks) by one group over the parent."""
+    """Replace ``block``'s parent subtree (groups and free blocks) by one group over the parent,
+    or by one free block when the subtree holds no group (buddies freed separately)."""
     parent = parent_block(ctx.domain, block)
     inside = sorted((g for g in groups if contains(parent, g.block)), key=lambda g: g.block.start)
+    free.free = [b for b in free.free if not contains(parent, b)]
+    if not inside:
+        free.free.append(parent)
+        return
     merged = GroupDraft(parent)
     for group in inside:
         groups.remove(group)
         for item in group.items:
             merged.push(item, ctx.load(item.seqlen, parent.size))
-    free.free = [b for b in free.free if not contains(parent, b)]
     groups.append(merged)
 
 
 def rebalance_row(ctx: Context, row: Row) -> None:
-    """Step 4: move a sample from the most-loaded group to one of the lightest groups while that
-    lowers the larger of the two loads (at most ``EQUALIZE_STEPS`` moves)."""
-    for _ in range(EQUALIZE_STEPS):
+    """Step 5: move a sample from the most-loaded group to one of the lightest groups while that
+    lowers the larger of the two loads (at most ``REBALANCE_STEPS`` moves)."""
+    for _ in range(REBALANCE_STEPS):
         ordered = sorted(row, key=lambda g: (g.load, g.block.start))
-        top, partners = ordered[-1], ordered[:EQUALIZE_PARTNERS]
+        top, partners = ordered[-1], ordered[:REBALANCE_PARTNERS]
         move = best_move(ctx, top, [g for g in partners if g is not top])
         if move is None:
             return
@@ -450,11 +500,11 @@ def best_move(
     ctx: Context, top: GroupDraft, partners: Sequence[GroupDraft]
 ) -> Optional[Tuple[Item, GroupDraft]]:
     """The (sample of ``top``, partner) move that lowers max(top, partner) the most; None if none
-    does. ``top`` keeps at least one sample; at most ``EQUALIZE_ITEMS`` samples are examined."""
+    does. ``top`` keeps at least one sample; at most ``REBALANCE_ITEMS`` samples are examined."""
     if len(top.items) < 2:
         return None
     best, best_peak = None, top.load * (1 - EPS)
-    for item in spread(top.items, EQUALIZE_ITEMS):
+    for item in spread(top.items, REBALANCE_ITEMS):
         for partner in partners:
             if item.min_cp > partner.size or ctx.room(partner) < item.seqlen:
                 continue
@@ -478,7 +528,7 @@ def spread(items: Sequence[Item], count: int) -> List[Item]:
 def align_to_vpp(
     ctx: Context, rows: List[Row], items: Sequence[Item], vpp: Optional[int]
 ) -> List[Row]:
-    """Step 5: make the micro-batch count a multiple of ``vpp`` by splitting micro-batches. When
+    """Step 6: make the micro-batch count a multiple of ``vpp`` by splitting micro-batches. When
     the count already exceeds the largest such multiple ≤ the sample count, start again from
     whole-domain micro-batches (first-fit decreasing), or raise when even those are too many."""
     if not vpp or len(rows) % vpp == 0:
@@ -491,9 +541,7 @@ def align_to_vpp(
     return rows
 
 
-def whole_domain_rows(
-    ctx: Context, items: Sequence[Item], vpp: int, limit: int
-) -> List[Row]:
+def whole_domain_rows(ctx: Context, items: Sequence[Item], vpp: int, limit: int) -> List[Row]:
     """Whole-domain micro-batches packed first-fit decreasing by length; ValueError (naming the
     VPP flag) when more than ``limit`` are needed."""
     capacity = ctx.domain.size * ctx.domain.budget

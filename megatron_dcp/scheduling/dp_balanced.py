@@ -62,6 +62,7 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
     def _microbatch(self, bins: Sequence[Sequence[Item]]) -> MicroBatch:
         cp = self.domain.cp_size
         groups = [
-            group_of_items(Block(d * cp, cp), items, self.cost_model) for d, items in enumerate(bins)
+            group_of_items(Block(d * cp, cp), items, self.cost_model)
+            for d, items in enumerate(bins)
         ]
         return freeze_microbatch(groups)

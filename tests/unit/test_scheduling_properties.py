@@ -69,7 +69,8 @@ def layouts(draw, static_cp: bool = False):
 
 
 def lengths(cap: int, budget: int, min_size: int = 0, max_size: int = 24):
-    """Lists of tiny, typical (≤ budget), any (≤ cap) and near-maximal (cap − 2 .. cap) lengths."""
+    """Lists of tiny, typical (≤ budget), any (≤ cap) and near-maximal (cap − 2 .. cap)
+    lengths."""
     one = st.one_of(
         st.integers(0, 3),
         st.integers(1, budget),
@@ -529,3 +530,22 @@ def test_vpp_infeasible_input_raises_a_value_error_naming_the_flag():
     )
     with pytest.raises(ValueError, match=VPP_FLAG):
         scheduler.schedule([2, 2, 2])
+
+
+@pytest.mark.parametrize(
+    "cp,budget,min_cp,seqlens",
+    [(52, 2, 1, [1, 1, 2]), (50, 1897, 1, [1, 3, 6]), (46, 32, 2, [4, 1, 6, 1, 0])],
+)
+def test_blocks_freed_on_a_non_power_of_two_domain_leave_no_rank_idle(cp, budget, min_cp, seqlens):
+    """Found by the fuzzer: a block given back to the allocator (a sample placed above the level
+    of the last micro-batch, then taken back) was merged into an empty parent group."""
+    scheduler = build_scheduler(
+        "default_dynamic_cp",
+        dp_size=1,
+        cp_size=cp,
+        max_seqlen_per_dp_cp_rank=budget,
+        min_cp_size=min_cp,
+    )
+    plan = scheduler.schedule(seqlens)
+    assert check_plan(plan, tuple(seqlens), plan.domain, None) == []
+    assert plan.num_microbatches == 1  # everything fits one micro-batch

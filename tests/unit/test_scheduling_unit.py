@@ -579,6 +579,29 @@ def test_fill_empty_ranks_merges_when_no_sample_can_be_spared():
     assert [(g.block, [i.sample_id for i in g.items]) for g in groups] == [(Block(0, 4), [0])]
 
 
+def test_fill_empty_ranks_takes_a_spare_sample_before_merging():
+    ctx = context(n=4, budget=100)
+    free = BuddyAllocator(ctx.domain)
+    groups = [group_of_items(free.allocate(2), items_of(ctx, [10]), ctx.cost)]
+    spare = [Item(1, 300, 4), Item(2, 90, 1), Item(3, 5, 1)]  # heaviest first; 300 needs 4 ranks
+    fill_empty_ranks(ctx, groups, free, spare)
+    assert [(g.block, [i.sample_id for i in g.items]) for g in groups] == [
+        (Block(0, 2), [0]),
+        (Block(2, 2), [3]),  # the lightest spare that fits the free block
+    ]
+    assert [i.sample_id for i in spare] == [1, 2]
+
+
+def test_fill_empty_ranks_reunites_free_buddies_before_merging_groups():
+    ctx = context(n=4, budget=100)
+    free = BuddyAllocator(ctx.domain)
+    groups = [group_of_items(free.allocate(2), items_of(ctx, [10]), ctx.cost)]
+    free.free = [Block(2, 1), Block(3, 1)]  # buddies given back separately
+    fill_empty_ranks(ctx, groups, free)
+    assert [(g.block, [i.sample_id for i in g.items]) for g in groups] == [(Block(0, 4), [0])]
+    assert all(g.items for g in groups)
+
+
 def test_rebalance_row_lowers_the_maximum():
     ctx = context(n=2, budget=100, cost=CostModel.attention_only())
     free = BuddyAllocator(ctx.domain)
