@@ -118,8 +118,9 @@ def layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
     return default_layer_spec(config, vp_stage)
 
 
-def datasets_provider(train_val_test_num_samples: List[int]) -> Any:
-    """megatron's dataset provider: variable-length samples, one sequence each."""
+def datasets_provider(train_val_test_num_samples: List[int], vp_stage: Optional[int] = None) -> Any:
+    """megatron's dataset provider: variable-length samples, one sequence each. With VPP megatron
+    asks once per model chunk; the DCP wrapper reads the samples from the first chunk's."""
     args = get_args()
     return build_varlen_datasets(
         seq_length=args.seq_length,

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv
 VPY="$VENV/bin/python"
-TEST_DEPS=(pytest pytest-xdist pytest-timeout hypothesis matplotlib psutil typing_extensions einops)
+TEST_DEPS=(pytest pytest-xdist pytest-timeout hypothesis matplotlib psutil typing_extensions einops pyyaml)
 
 environment_ready() {
   # Run from / so that the source tree (and its egg-info) does not shadow the installed package.
@@ -25,7 +25,7 @@ assert md.version("torch").split("+")[0] == "2.13.0"
 assert md.version("megatron-core") == "0.19.2"
 assert Version(md.version("packaging")) >= Version("24.2")
 for name in ("numpy", "pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "matplotlib",
-             "psutil", "typing_extensions", "einops"):
+             "psutil", "typing_extensions", "einops", "pyyaml"):
     md.version(name)
 url = json.loads(md.distribution("megatron-dcp").read_text("direct_url.json"))
 assert url["dir_info"].get("editable") and url["url"] == "file://" + sys.argv[1]

@@ -14,7 +14,10 @@ RNG of megatron.core), the training loop needs these corrections, each naming wh
 - the JIT fusion warm-up (``set_jit_fusion_options``) costs seconds per rank and fuses nothing on
   CPU: skipped; and megatron's ``jit_fuser`` (``torch.compile``) would build C++ kernels with
   inductor in every rank at the first step (tens of seconds on two cores for a tiny model):
-  torch.compile is disabled, eager mode runs instead.
+  torch.compile is disabled, eager mode runs instead;
+- ``megatron.training.models.gpt.mtp_block_spec`` builds the MTP layers from megatron's default
+  decoder spec, ignoring the layer spec the entry point passes: on CPU their core attention is
+  replaced by the reference THD/CP attention as well.
 
 Applied at import time of the entry module (the checkpoint writer's worker processes re-import
 it), only when CUDA is absent, idempotently.
@@ -54,6 +57,7 @@ def enable_cpu_training() -> bool:
         answer_device_arch,
         patch_grad_clipping,
         skip_jit_fusion_warmup,
+        reference_attention_in_mtp,
     ):
         correction()
     _APPLIED = True
@@ -143,3 +147,18 @@ def cpu_notice() -> str:
         "megatron_dcp: no CUDA device, using the CPU backend (gloo, fp32, reference THD/CP "
         "attention); see docs/usage.md"
     )
+
+
+def reference_attention_in_mtp() -> None:
+    from megatron.training.models import gpt
+
+    from megatron_dcp.integration.attention import with_core_attention
+
+    original = gpt.mtp_block_spec
+
+    @functools.wraps(original)
+    def mtp_block_spec(*args: Any, **kwargs: Any) -> Any:
+        spec = original(*args, **kwargs)
+        return None if spec is None else with_core_attention(spec)
+
+    gpt.mtp_block_spec = mtp_block_spec

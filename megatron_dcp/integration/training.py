@@ -89,10 +89,18 @@ class DCPSchedule:
     the :class:`DCPForwardBackward` on its first call (the model's config is known then and the
     model-parallel groups exist), and logs the DCP figures of every training iteration."""
 
-    def __init__(self, settings: DCPSettings, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        settings: DCPSettings,
+        log: Callable[[str], None],
+        iteration: Optional[Callable[[], int]] = None,
+    ) -> None:
+        """``iteration`` returns the number of the training iteration being run (megatron's,
+        which continues after a resume); default: count the training calls."""
         self.settings, self.log = settings, log
         self.wrapper: Optional[DCPForwardBackward] = None
-        self.iteration = 0
+        self.calls = 0
+        self.iteration = iteration or (lambda: self.calls)
 
     def __call__(self, **kwargs: Any) -> Any:
         wrapper = self.wrapper or self.build(kwargs["model"])
@@ -100,7 +108,7 @@ class DCPSchedule:
         start = time.perf_counter()
         losses = wrapper(forward_step_func=step, **kwargs)
         if not kwargs.get("forward_only", False):
-            self.iteration += 1
+            self.calls += 1
             elapsed = time.perf_counter() - start
             self.log(self.describe(wrapper.stats[-1], elapsed, step.busy_s))
         return losses
@@ -125,7 +133,7 @@ class DCPSchedule:
         measured = imbalance(busy_s, self.wrapper.domain_group)
         sizes = " ".join(f"{size}:{count}" for size, count in stats.cp_size_histogram.items())
         return (
-            f" [DCP] iteration {self.iteration:8d} | micro-batches: {stats.num_microbatches} | "
+            f" [DCP] iteration {self.iteration():8d} | micro-batches: {stats.num_microbatches} | "
             f"CP sizes (size:seqs): {sizes} | plan time (ms): {stats.plan_time_s * 1e3:.1f} | "
             f"load imbalance est./meas.: {stats.estimated_imbalance:.3f}/{measured:.3f} | "
             f"tokens/s: {stats.sum_seqlen / max(elapsed_s, 1e-9):.0f}"
@@ -159,8 +167,8 @@ def imbalance(busy_s: float, group: Any) -> float:
 def install_dcp_schedule(settings: DCPSettings, log: Callable[[str], None]) -> DCPSchedule:
     """Make ``megatron.training``'s loops use DCP: its ``get_forward_backward_func`` (imported
     into ``megatron.training.training``) returns one shared :class:`DCPSchedule`."""
-    from megatron.training import training
+    from megatron.training import get_args, training
 
-    schedule = DCPSchedule(settings, log)
+    schedule = DCPSchedule(settings, log, iteration=lambda: get_args().curr_iteration + 1)
     training.get_forward_backward_func = lambda *args, **kwargs: schedule
     return schedule

@@ -1,0 +1,99 @@
+"""Functional test cases: full training runs of ``megatron_dcp.pretrain_gpt`` against goldens.
+
+A case is a folder of ``functional_tests/test_cases``: ``model_config.yaml`` (the job: ``nproc``,
+``train_iters``, ``save_interval`` and the ``model_args`` flags) and ``golden_values.json`` (the
+per-iteration ``lm loss`` this project produced). Regenerating goldens overwrites the reference
+every later run is judged by, so it refuses to run without ``--overwrite-goldens``:
+
+    python -m megatron_dcp.testing.functional gpt3_tp2_pp1_cp4_dcp --overwrite-goldens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import yaml
+
+from megatron_dcp.launcher import RunLog, flag_list, run_pretrain
+
+CASES_DIR = Path(__file__).resolve().parents[2] / "functional_tests" / "test_cases"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    nproc: int
+    train_iters: int
+    save_interval: int
+    model_args: Dict[str, object]
+
+    @property
+    def golden_path(self) -> Path:
+        return CASES_DIR / self.name / "golden_values.json"
+
+    def goldens(self) -> Dict[int, float]:
+        values = json.loads(self.golden_path.read_text())["lm loss"]["values"]
+        return {int(iteration): float(loss) for iteration, loss in values.items()}
+
+
+def load_case(name: str) -> Case:
+    config = yaml.safe_load((CASES_DIR / name / "model_config.yaml").read_text())
+    return Case(
+        name, config["nproc"], config["train_iters"], config["save_interval"], config["model_args"]
+    )
+
+
+def case_names() -> List[str]:
+    return sorted(path.parent.name for path in CASES_DIR.glob("*/model_config.yaml"))
+
+
+def run_case(
+    case: Case,
+    workdir: Path,
+    label: str,
+    scheduler: Optional[str] = None,
+    save: Optional[Path] = None,
+    load: Optional[Path] = None,
+    ckpt_step: Optional[int] = None,
+) -> RunLog:
+    """One training run of ``case`` (log in ``workdir/label.log``): optionally with another
+    scheduler, saving checkpoints every ``save_interval`` iterations, or resuming from ``load``
+    (at ``ckpt_step``, default the latest checkpoint)."""
+    options: Dict[str, object] = {**case.model_args, "--train-iters": case.train_iters}
+    if scheduler is not None:
+        options["--sequence-packing-scheduler"] = scheduler
+    if save is not None:
+        options.update({"--save": save, "--save-interval": case.save_interval})
+    if load is not None:
+        options.update({"--load": load, "--ckpt-step": ckpt_step})
+    return run_pretrain(flag_list(options), case.nproc, workdir / f"{label}.log")
+
+
+def write_goldens(case: Case, log: RunLog) -> None:
+    values = {str(iteration): loss for iteration, loss in sorted(log.losses.items())}
+    document = {"lm loss": {"start_step": 1, "end_step": case.train_iters, "values": values}}
+    case.golden_path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="+", choices=case_names())
+    parser.add_argument("--overwrite-goldens", action="store_true")
+    parser.add_argument("--workdir", type=Path, default=Path("functional_runs"))
+    args = parser.parse_args(argv)
+    if not args.overwrite_goldens:
+        parser.error("regenerating goldens replaces the reference: pass --overwrite-goldens")
+    for name in args.cases:
+        case = load_case(name)
+        (args.workdir / name).mkdir(parents=True, exist_ok=True)
+        log = run_case(case, args.workdir / name, "golden")
+        write_goldens(case, log)
+        print(f"{name}: wrote {len(log.losses)} losses to {case.golden_path}")
+
+
+if __name__ == "__main__":
+    main()
