@@ -1,0 +1,76 @@
+"""The entry point's flag checks: each bad DCP setting fails before the first step with a
+ValueError naming the flag; per-token loss is turned on with a notice."""
+
+from argparse import ArgumentParser, Namespace
+
+import pytest
+
+from megatron_dcp.integration.megatron_import import import_megatron_core
+
+pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+
+GOOD = dict(
+    dynamic_context_parallel=True,
+    min_dynamic_context_parallel_size=1,
+    sequence_packing_scheduler=None,
+    micro_batch_size=1,
+    max_seqlen_per_dp_cp_rank=128,
+    calculate_per_token_loss=False,
+    data_parallel_size=2,
+    context_parallel_size=4,
+    seq_length=1024,
+)
+
+
+def args(**overrides):
+    return Namespace(**{**GOOD, **overrides})
+
+
+@pytest.fixture(scope="module")
+def pretrain_gpt():
+    from megatron_dcp import pretrain_gpt
+
+    return pretrain_gpt
+
+
+def test_good_flags_pass_and_turn_per_token_loss_on(pretrain_gpt, capsys):
+    namespace = args()
+    settings = pretrain_gpt.check_args(namespace)
+    assert settings.scheduler == "default_dynamic_cp" and settings.max_seqlen_per_dp_cp_rank == 128
+    assert namespace.calculate_per_token_loss
+    assert "--calculate-per-token-loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides,flag",
+    [
+        (dict(dynamic_context_parallel=False), "--dynamic-context-parallel"),
+        (dict(min_dynamic_context_parallel_size=3), "--min-dynamic-context-parallel-size=3"),
+        (dict(min_dynamic_context_parallel_size=16), "--min-dynamic-context-parallel-size=16"),
+        (dict(max_seqlen_per_dp_cp_rank=None), "--max-seqlen-per-dp-cp-rank"),
+        (dict(micro_batch_size=2), "--micro-batch-size=2"),
+        (dict(seq_length=2048), "--seq-length=2048"),
+        (dict(sequence_packing_scheduler="dp_balanced", seq_length=1024), "--seq-length=1024"),
+    ],
+)
+def test_bad_flags_are_rejected_before_training(pretrain_gpt, overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        pretrain_gpt.check_args(args(**overrides))
+
+
+def test_dcp_flags_parse_with_upstream_names():
+    from megatron_dcp.integration.training import add_dcp_args
+
+    parser = add_dcp_args(ArgumentParser())
+    parsed = parser.parse_args(
+        [
+            "--dynamic-context-parallel",
+            "--min-dynamic-context-parallel-size",
+            "2",
+            "--sequence-packing-scheduler",
+            "dp_balanced",
+        ]
+    )
+    assert parsed.dynamic_context_parallel and parsed.min_dynamic_context_parallel_size == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sequence-packing-scheduler", "fifo"])
