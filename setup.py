@@ -20,12 +20,25 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_dcp", "megatron_dcp.*"]),
-    install_requires=["torch", "numpy", "matplotlib", "megatron-core>=0.19,<0.20"],
+    install_requires=[
+        "torch",
+        "numpy",
+        "matplotlib",
+        "megatron-core>=0.19,<0.20",
+        "typing_extensions",  # megatron.training needs typing.override on Python 3.11
+        "psutil",  # megatron.training's checkpoint writer
+    ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis"],
+        "mamba": ["einops"],
+        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "einops", "pyyaml"],
     },
-    entry_points={"console_scripts": ["megatron-dcp=megatron_dcp.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "megatron-dcp=megatron_dcp.cli:main",
+            "megatron-dcp-pretrain-gpt=megatron_dcp.pretrain_gpt:main",
+        ]
+    },
     classifiers=[
         "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",

@@ -139,6 +139,8 @@ datasets_provider.is_distributed = True
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    if ON_CPU:
+        torch.set_num_threads(1)  # several ranks share the few cores
     args = parse_args(argv)
     settings = check_args(args)
     if ON_CPU:
@@ -156,6 +158,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    if ON_CPU:
-        torch.set_num_threads(1)  # several ranks share the few cores
     main()

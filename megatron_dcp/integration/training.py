@@ -125,6 +125,7 @@ class DCPSchedule:
             self.settings.scheduler,
             self.settings.min_cp_size,
         )
+        self.log(" " + self.wrapper.groups.report())
         return self.wrapper
 
     def describe(self, stats: BatchStats, elapsed_s: float, busy_s: float) -> str:
