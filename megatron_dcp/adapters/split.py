@@ -14,12 +14,17 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from megatron_dcp.integration.schedule import Batch, as_sample, batch_of, packed_seq_params_of
+from megatron_dcp.integration.schedule import (
+    Batch,
+    as_sample,
+    batch_of,
+    pack_group,
+    packed_seq_params_of,
+)
 from megatron_dcp.integration.validation import validate_budget, validate_scheduler_name
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import (
     PackedMicroBatch,
-    pack_samples,
     padding_multiple,
     zigzag_slice,
 )
@@ -219,19 +224,12 @@ def _rank_microbatch(
     settings: DCPSettings,
 ) -> RankMicroBatch:
     """Pack one micro-batch's group samples and slice this rank's zigzag share."""
-    cp_rank = groups.position - group.ranks[0]
-    packed = pack_samples(
-        [samples[i] for i in group.sample_ids],
-        group.size,
-        cp_rank,
-        settings.pad_multiple(group.size),
-    )
-    cp_group = groups.group_for(group) if group.size > 1 else None
+    packed, cp_group = pack_group(group, samples, groups, settings.pad_multiple(group.size))
     return RankMicroBatch(
         index=index,
         sample_ids=group.sample_ids,
         local_cp_size=group.size,
-        cp_rank=cp_rank,
+        cp_rank=packed.cp_rank,
         cp_group=cp_group,
         packed=packed,
         packed_seq_params=packed_seq_params_of(packed, cp_group),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ from megatron_dcp.runtime.exchange import (
 )
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
-from megatron_dcp.scheduling import Plan
+from megatron_dcp.scheduling import CPGroup, Plan
 from megatron_dcp.scheduling.registry import Scheduler
 from megatron_dcp.scheduling.simulator import rank_loads
 
@@ -119,13 +119,21 @@ class DCPForwardBackward:
         """Step 4: this rank's share of micro-batch ``index``."""
         group = plan.microbatches[index].group_of(self.groups.position)
         multiple = padding_multiple(group.size, self.tp_size, self.sequence_parallel)
-        packed = pack_samples(
-            [samples[i] for i in group.sample_ids],
-            group.size,
-            self.groups.position - group.ranks[0],
-            multiple,
-        )
-        return batch_of(packed, self.groups.group_for(group))
+        return batch_of(*pack_group(group, samples, self.groups, multiple))
+
+
+def pack_group(
+    group: CPGroup, samples: Mapping[int, Sample], groups: DCPGroups, pad_multiple: int
+) -> Tuple[PackedMicroBatch, Any]:
+    """This rank's zigzag share of a plan's CP ``group`` (its samples packed as THD, in plan
+    order) and the group's communicator (None at size 1)."""
+    packed = pack_samples(
+        [samples[i] for i in group.sample_ids],
+        group.size,
+        groups.position - group.ranks[0],
+        pad_multiple,
+    )
+    return packed, groups.group_for(group)
 
 
 def batch_of(packed: PackedMicroBatch, cp_group: Any) -> Batch:
