@@ -146,3 +146,14 @@ def test_mtp_step_with_cp_equals_single_process_loss(samples):
     for loss_sum, num_tokens, cp_sizes in run_distributed(step, 4, samples, timeout_s=120):
         assert num_tokens == reference.num_tokens and 4 in cp_sizes
         assert loss_sum == pytest.approx(reference.loss_sum, rel=1e-5)
+
+
+def test_non_power_of_two_domain():
+    """dp3·cp2 (N = 6): groups are the aligned blocks of 1, 2 and 4 ranks that fit, plus the
+    whole domain; the step still equals the single-process run."""
+    six = make_samples((150, 5, 64, 90, 12, 33), OPTIONS.vocab_size, seed=3)
+    expected = single_process_reference(six, OPTIONS)
+    results = run_step(Layout(cp=2, world=6), six, "default_dynamic_cp", 32)
+    for result in results:
+        assert_matches(result, expected)
+    assert any(size > 2 for size in results[0].cp_sizes)
