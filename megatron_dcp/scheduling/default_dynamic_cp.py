@@ -49,7 +49,7 @@ HEAVY = 1.25
 HEAVY_WASTE = 0.02
 # CP sizes tried for the sample that opens a micro-batch, and the efficiency that ends the trials.
 TRIALS = 3
-GOOD_EFFICIENCY = 0.97
+GOOD_EFFICIENCY = 0.965
 # Trials whose efficiencies differ by at most this much tie (then fewer leftovers win).
 SCORE_TIE = 1e-4
 # A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from bisect import bisect_left
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Optional, Tuple
@@ -108,10 +109,10 @@ class Domain:
 
     def cp_degree(self, seqlen: int) -> int:
         """Smallest group size ≥ ``min_cp_size`` whose per-rank share of ``seqlen`` fits the budget."""
-        for size in self.group_sizes:
-            if seqlen <= size * self.budget:
-                return size
-        raise self.too_long_error(seqlen)
+        index = bisect_left(self.group_sizes, -(-seqlen // self.budget))
+        if index == len(self.group_sizes):
+            raise self.too_long_error(seqlen)
+        return self.group_sizes[index]
 
     def too_long_error(self, seqlen: int, sample_id: Optional[int] = None) -> ValueError:
         which = f"sample {sample_id} has" if sample_id is not None else "a sequence has"
