@@ -27,6 +27,7 @@ import torch
 from megatron_dcp.runtime.exchange import (
     GlobalLengths,
     RoutedSamples,
+    SampleSchema,
     gather_lengths,
     route_samples,
 )
@@ -38,7 +39,13 @@ from megatron_dcp.scheduling.simulator import rank_loads
 
 Sample = Dict[str, torch.Tensor]
 Batch = Dict[str, Any]
-SAMPLE_KEYS = ("tokens", "labels", "loss_mask")
+SAMPLE_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32}
+SAMPLE_KEYS = tuple(SAMPLE_DTYPES)
+# Every rank's samples carry these fields (``as_sample`` casts them): no collective is needed to
+# agree on what is routed.
+SAMPLE_SCHEMA = SampleSchema.of(
+    {key: torch.empty(0, dtype=dtype) for key, dtype in SAMPLE_DTYPES.items()}
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,9 @@ class BatchStats:
 class DCPForwardBackward:
     """Wraps a megatron forward-backward function (see the module docstring).
 
-    ``position`` is this rank's index in the DP×CP domain; ``dp_group`` joins the ranks that
-    hold different samples (same CP rank, different DP rank); ``domain_group`` is the DP×CP group.
+    ``groups`` are the DCP process groups (and this rank's position in the domain); ``dp_group``
+    joins the ranks that hold different samples (same CP rank, other DP ranks); ``domain_group``
+    is the DP×CP group.
     """
 
     forward_backward_func: Callable[..., Any]
@@ -212,7 +220,7 @@ def as_sample(item: Mapping[str, Any]) -> Sample:
                 f"DCP needs --micro-batch-size 1 (got micro-batches of {value.shape[0]} "
                 "sequences): the plan forms the micro-batches; --global-batch-size counts sequences."
             )
-        sample[key] = value.reshape(-1)
+        sample[key] = value.reshape(-1).to(SAMPLE_DTYPES[key])
     return sample
 
 
