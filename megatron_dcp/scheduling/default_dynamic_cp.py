@@ -72,30 +72,46 @@ Row = List[GroupDraft]
 HeapEntry = Tuple[float, int, GroupDraft]
 
 
+class CostTable(dict):
+    """Per-rank costs keyed by (length, CP size), computed on first use (the hot path)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        super().__init__()
+        self.cost = cost
+
+    def __missing__(self, key: Tuple[int, int]) -> float:
+        value = self[key] = self.cost.per_rank(*key)
+        return value
+
+
 class Context:
-    """What every step needs: the domain, the cost model, and memoised per-rank costs."""
+    """What every step needs: the domain, the cost model, and memoised costs: ``per_rank[(L,
+    c)]`` and ``work[L]`` (least total work of a length-L sample, filled by :meth:`min_work`)."""
 
     def __init__(self, domain: Domain, cost: CostModel) -> None:
         self.domain, self.cost = domain, cost
-        self._loads: Dict[Tuple[int, int], float] = {}
-        self._work: Dict[int, float] = {}
+        self.per_rank = CostTable(cost)
+        self.work: Dict[int, float] = {}
         self._sizes: Dict[int, Tuple[int, ...]] = {}
         self._openable: Dict[int, bool] = {}
 
     def load(self, seqlen: int, size: int) -> float:
-        """Per-rank cost of a sequence of ``seqlen`` tokens on ``size`` ranks (the hot path)."""
-        key = (seqlen, size)
-        value = self._loads.get(key)
-        if value is None:
-            value = self._loads[key] = self.cost.per_rank(seqlen, size)
-        return value
+        """Per-rank cost of a sequence of ``seqlen`` tokens on ``size`` ranks."""
+        return self.per_rank[seqlen, size]
 
     def min_work(self, item: Item) -> float:
         """Least total cost of ``item``: at its minimum CP size (which its length determines)."""
-        value = self._work.get(item.seqlen)
+        value = self.work.get(item.seqlen)
         if value is None:
-            value = self._work[item.seqlen] = self.load(item.seqlen, item.min_cp) * item.min_cp
+            value = self.work[item.seqlen] = self.per_rank[item.seqlen, item.min_cp] * item.min_cp
         return value
+
+    def works(self, items: Sequence[Item]) -> Dict[int, float]:
+        """``work``, filled for ``items`` (so hot loops may index it by length)."""
+        for item in items:
+            if item.seqlen not in self.work:
+                self.min_work(item)
+        return self.work
 
     def sizes_from(self, min_cp: int) -> Tuple[int, ...]:
         """The CP group sizes ≥ ``min_cp``, ascending."""
@@ -126,7 +142,8 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         # Small batches also try the all-levels variant (cheap there) and keep the better plan.
         variants = (False, True) if len(items) <= SEARCH_SAMPLES else (False,)
         plans = [align_to_vpp(ctx, plan_rows(ctx, pool, v), items, vpp) for v in variants]
-        bound = sum(map(ctx.min_work, items)) / self.domain.size
+        work = ctx.works(items)
+        bound = sum(work[item.seqlen] for item in items) / self.domain.size
         best = min(plans, key=lambda rows: plan_rank(rows, bound))
         return [freeze_microbatch(row) for row in best]
 
@@ -147,7 +164,8 @@ def critical_path(rows: Sequence[Row]) -> float:
 
 def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
     """Step 1: samples by decreasing least total work, then length, then id (deterministic)."""
-    return sorted(items, key=lambda it: (-ctx.min_work(it), -it.seqlen, it.sample_id))
+    work = ctx.works(items)
+    return sorted(items, key=lambda it: (-work[it.seqlen], -it.seqlen, it.sample_id))
 
 
 def plan_rows(ctx: Context, pool: List[Item], all_heavy: bool = False) -> List[Row]:
@@ -174,8 +192,9 @@ def is_heavy(ctx: Context, pool: Sequence[Item]) -> bool:
     that its total cost grows by more than ``HEAVY_WASTE``: it needs a micro-batch of its own
     (higher) level instead."""
     floor = fill_level(ctx, pool)
+    per_rank, limit = ctx.per_rank, HEAVY * floor
     return any(
-        ctx.load(item.seqlen, item.min_cp) > HEAVY * floor
+        per_rank[item.seqlen, item.min_cp] > limit
         and promotion_waste(ctx, item, floor) > HEAVY_WASTE
         for item in pool
     )
@@ -264,7 +283,8 @@ def fill_level(ctx: Context, pool: Sequence[Item]) -> float:
     tokens need: the level every micro-batch fills up to (a heavier opening sample raises it)."""
     tokens = sum(item.seqlen for item in pool)
     count = max(1, -(-tokens // (ctx.domain.size * ctx.domain.budget)))
-    return sum(ctx.min_work(item) for item in pool) / (ctx.domain.size * count)
+    work = ctx.works(pool)
+    return sum(work[item.seqlen] for item in pool) / (ctx.domain.size * count)
 
 
 def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
@@ -289,7 +309,8 @@ def efficiency(ctx: Context, row: Row) -> float:
     peak = max(group.load for group in row)
     if peak <= 0:
         return 1.0
-    useful = sum(ctx.min_work(item) for group in row for item in group.items)
+    work = ctx.work  # filled: every sample was ordered by heaviest_first or min_work first
+    useful = sum(work.get(item.seqlen) or ctx.min_work(item) for g in row for item in g.items)
     return useful / (ctx.domain.size * peak)
 
 
@@ -356,8 +377,9 @@ class Layout:
     def _place_fresh(self, item: Item) -> bool:
         if not self.free.free:
             return False
+        per_rank = self.ctx.per_rank
         for size in self.ctx.sizes_from(item.min_cp):
-            if self.ctx.load(item.seqlen, size) <= self.level and self.free.can_allocate(size):
+            if per_rank[item.seqlen, size] <= self.level and self.free.can_allocate(size):
                 self._add_group(item, size)
                 return True
         return False
@@ -366,7 +388,7 @@ class Layout:
         """Add ``item`` to the group where its resulting load is least and within the level."""
         best_total, best_size = self.level, 0
         skipped: List[Tuple[int, HeapEntry]] = []
-        seqlen, budget, load_of = item.seqlen, self.ctx.domain.budget, self.ctx.load
+        seqlen, budget, per_rank = item.seqlen, self.ctx.domain.budget, self.ctx.per_rank
         for size in self.sizes:
             heap = self.heaps[size]
             if size < item.min_cp or not heap:
@@ -375,16 +397,16 @@ class Layout:
                 self._skip_full(heap, size, seqlen, skipped)
                 if not heap or heap[0][2].tokens > size * budget - seqlen:
                     continue
-            total = heap[0][0] + load_of(seqlen, size)
+            total = heap[0][0] + per_rank[seqlen, size]
             if total < best_total or (total == best_total and not best_size):
                 best_total, best_size = total, size
         if best_size:
             heap = self.heaps[best_size]
             group = heapq.heappop(heap)[2]
-            group.push(item, load_of(seqlen, best_size))
+            group.push(item, per_rank[seqlen, best_size])
             heapq.heappush(heap, (group.load, group.block.start, group))
             if self.journal is not None:
-                self.journal.append((group, item, load_of(seqlen, best_size), False))
+                self.journal.append((group, item, per_rank[seqlen, best_size], False))
         for size, entry in skipped:  # groups too full for any sample of the pool leave the heap
             if size * budget - entry[2].tokens >= self.shortest:
                 heapq.heappush(self.heaps[size], entry)
