@@ -12,7 +12,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.integration.schedule import BatchStats, DCPForwardBackward
-from megatron_dcp.integration.validation import DCP_FLAG, validate_scheduler_name
+from megatron_dcp.integration.validation import (
+    DCP_FLAG,
+    validate_budget,
+    validate_scheduler_name,
+)
 from megatron_dcp.scheduling.domain import MIN_CP_FLAG, is_power_of_two
 
 
@@ -72,14 +76,12 @@ class DCPSettings:
                 f"--micro-batch-size={args.micro_batch_size}: {DCP_FLAG} forms the micro-batches "
                 "itself; use --micro-batch-size 1 (--global-batch-size counts sequences)."
             )
-        if args.max_seqlen_per_dp_cp_rank is None:
-            raise ValueError(
-                f"{DCP_FLAG} needs --max-seqlen-per-dp-cp-rank (the most tokens one rank holds in "
-                "a micro-batch), e.g. --max-seqlen-per-dp-cp-rank 4096."
-            )
+        budget = validate_budget(
+            args.max_seqlen_per_dp_cp_rank, args.tensor_model_parallel_size, args.sequence_parallel
+        )
         return cls(
             scheduler=validate_scheduler_name(args.sequence_packing_scheduler),
-            max_seqlen_per_dp_cp_rank=args.max_seqlen_per_dp_cp_rank,
+            max_seqlen_per_dp_cp_rank=budget,
             min_cp_size=args.min_dynamic_context_parallel_size,
         )
 

@@ -19,6 +19,8 @@ GOOD = dict(
     data_parallel_size=2,
     context_parallel_size=4,
     seq_length=1024,
+    tensor_model_parallel_size=1,
+    sequence_parallel=False,
 )
 
 
@@ -48,6 +50,7 @@ def test_good_flags_pass_and_turn_per_token_loss_on(pretrain_gpt, capsys):
         (dict(min_dynamic_context_parallel_size=3), "--min-dynamic-context-parallel-size=3"),
         (dict(min_dynamic_context_parallel_size=16), "--min-dynamic-context-parallel-size=16"),
         (dict(max_seqlen_per_dp_cp_rank=None), "--max-seqlen-per-dp-cp-rank"),
+        (dict(max_seqlen_per_dp_cp_rank=127), "--max-seqlen-per-dp-cp-rank=127"),
         (dict(micro_batch_size=2), "--micro-batch-size=2"),
         (dict(seq_length=2048), "--seq-length=2048"),
         (dict(sequence_packing_scheduler="dp_balanced", seq_length=1024), "--seq-length=1024"),
