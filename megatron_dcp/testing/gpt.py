@@ -272,6 +272,16 @@ def packed_loss_and_backward(
     return loss.detach(), packed.num_tokens
 
 
+def unpacked_token_losses(model: torch.nn.Module, sample: Sample) -> torch.Tensor:
+    """Per-token losses ``[1, L]`` of one non-empty sample run on its own (sbhd, no CP)."""
+    return model(
+        input_ids=sample["tokens"].view(1, -1),
+        position_ids=torch.arange(sample["tokens"].numel()).view(1, -1),
+        attention_mask=None,
+        labels=sample["labels"].view(1, -1),
+    )
+
+
 def unpacked_loss_and_backward(
     model: torch.nn.Module, samples: Sequence[Sample]
 ) -> tuple[float, int]:
@@ -281,13 +291,7 @@ def unpacked_loss_and_backward(
     for sample in samples:
         if sample["tokens"].numel() == 0:
             continue
-        losses = model(
-            input_ids=sample["tokens"].view(1, -1),
-            position_ids=torch.arange(sample["tokens"].numel()).view(1, -1),
-            attention_mask=None,
-            labels=sample["labels"].view(1, -1),
-        )
-        loss = (losses * sample["loss_mask"].view(1, -1)).sum()
+        loss = (unpacked_token_losses(model, sample) * sample["loss_mask"].view(1, -1)).sum()
         loss.backward()
         total += loss.item()
         tokens += int((sample["loss_mask"] != 0).sum())

@@ -40,6 +40,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     gather_full_tensors,
     init_megatron,
     make_samples,
+    unpacked_token_losses,
 )
 
 OPTIONS = TinyGPTOptions()
@@ -132,12 +133,7 @@ def reference_step(rank: int, world_size: int, samples: Sequence[Sample]) -> Ref
         if sample["tokens"].numel() == 0:
             log_probs.append(torch.zeros(0))
             continue
-        losses = model(
-            input_ids=sample["tokens"].view(1, -1),
-            position_ids=torch.arange(sample["tokens"].numel()).view(1, -1),
-            attention_mask=None,
-            labels=sample["labels"].view(1, -1),
-        )
+        losses = unpacked_token_losses(model, sample)
         ((losses * sample["loss_mask"].view(1, -1)).sum() / num_tokens).backward()
         log_probs.append(-losses.detach().view(-1))
     return Reference(num_tokens, log_probs, gather_full_tensors([model]))
