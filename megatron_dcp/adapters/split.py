@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch.distributed import ProcessGroup
 
+from megatron_dcp.integration.dcp import vpp_group_size
 from megatron_dcp.integration.schedule import (
     Batch,
     as_sample,
@@ -63,13 +64,10 @@ class DCPSettings:
     ) -> "DCPSettings":
         """Settings for a megatron model with TransformerConfig ``config`` (CP, TP, sequence
         parallel and the VPP micro-batch group size are read from it)."""
-        vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
         values = dict(
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             cp_size=config.context_parallel_size,
-            microbatch_group_size_per_vp_stage=(
-                config.microbatch_group_size_per_vp_stage if vpp else None
-            ),
+            microbatch_group_size_per_vp_stage=vpp_group_size(config),
             tp_size=config.tensor_model_parallel_size,
             sequence_parallel=config.sequence_parallel,
         )

@@ -28,6 +28,14 @@ def create_dcp_groups(min_cp_size: int = 1) -> DCPGroups:
     return DCPGroups.create(domain_rank_lists_from(domain), min_cp_size, reuse=reuse)
 
 
+def vpp_group_size(config: Any) -> Optional[int]:
+    """The number the plan's micro-batch count must be a multiple of under interleaved VPP
+    (megatron's ``microbatch_group_size_per_vp_stage``); None without VPP."""
+    if getattr(config, "virtual_pipeline_model_parallel_size", None):
+        return config.microbatch_group_size_per_vp_stage
+    return None
+
+
 def build_forward_backward(
     config: Any,
     max_seqlen_per_dp_cp_rank: int,
@@ -46,7 +54,6 @@ def build_forward_backward(
     validate_budget(
         max_seqlen_per_dp_cp_rank, config.tensor_model_parallel_size, config.sequence_parallel
     )
-    vpp = config.virtual_pipeline_model_parallel_size
     return DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
         scheduler=build_scheduler(
@@ -55,9 +62,7 @@ def build_forward_backward(
             cp_size=parallel_state.get_context_parallel_world_size(),
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             min_cp_size=min_cp_size,
-            microbatch_group_size_per_vp_stage=(
-                config.microbatch_group_size_per_vp_stage if vpp else None
-            ),
+            microbatch_group_size_per_vp_stage=vpp_group_size(config),
             cost_model=cost_model,
         ),
         groups=groups or create_dcp_groups(min_cp_size),
