@@ -23,19 +23,19 @@ setup(
     install_requires=[
         "torch",
         "numpy",
-        "matplotlib",
         "megatron-core>=0.19,<0.20",
         "typing_extensions",  # megatron.training needs typing.override on Python 3.11
         "psutil",  # megatron.training's checkpoint writer
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
+        "plot": ["matplotlib"],  # megatron-dcp simulate --plot, the quick-start's plan picture
         "mamba": ["einops"],
         "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "einops", "pyyaml"],
     },
     entry_points={
         "console_scripts": [
-            "megatron-dcp=megatron_dcp.cli:main",
+            "megatron-dcp=megatron_dcp.tools.cli:main",
             "megatron-dcp-pretrain-gpt=megatron_dcp.pretrain_gpt:main",
         ]
     },

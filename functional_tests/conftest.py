@@ -1,15 +1,15 @@
-"""Functional tests are marked ``functional``: skip them locally with ``-m "not functional"``."""
+"""Functional tests are marked ``functional`` (registered in ``pyproject.toml``): skip them
+locally with ``-m "not functional"``, run only them with ``-m functional``."""
+
+from pathlib import Path
 
 import pytest
 
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "functional: full training runs (minutes); -m 'not functional' skips them"
-    )
+FUNCTIONAL_DIR = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests of this directory (the hook sees every item of the session)."""
     for item in items:
-        if "functional_tests" in str(item.fspath):
+        if FUNCTIONAL_DIR in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.functional)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dcp.launcher import RunLog
+from megatron_dcp.tools.launcher import RunLog
 from megatron_dcp.testing.functional import case_names, load_case, run_case
 
 # Goldens were produced on this kind of machine (fp32, gloo, deterministic reductions); the

@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from megatron_dcp.integration.cpu_training import cpu_notice, enable_cpu_training
+from megatron_dcp.integration.cpu.training import cpu_notice, enable_cpu_training
 
 # At import time: the checkpoint writer's worker processes re-import this module.
 ON_CPU = enable_cpu_training()
@@ -34,8 +34,8 @@ from megatron.training.argument_utils import (  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import print_rank_0, print_rank_last  # noqa: E402
 
-from megatron_dcp.integration.attention import reference_layer_spec  # noqa: E402
-from megatron_dcp.integration.datasets import build_varlen_datasets  # noqa: E402
+from megatron_dcp.integration.cpu.attention import reference_layer_spec  # noqa: E402
+from megatron_dcp.integration.data.datasets import build_varlen_datasets  # noqa: E402
 from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
 from megatron_dcp.integration.training import (  # noqa: E402

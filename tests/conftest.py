@@ -1,14 +1,23 @@
-"""Shared test configuration: hypothesis profiles.
+"""Shared test configuration: layer markers from the directory, and the hypothesis profiles.
 
-``ci`` (the default) is derandomized, so every CI run tries the same examples and a failure
-reproduces exactly; ``dev`` draws fresh random examples, five times as many, for local bug hunting:
-``HYPOTHESIS_PROFILE=dev python -m pytest tests/unit``. Tests scale their explicit
+Markers: every test under ``tests/<layer>/`` gets the marker ``<layer>`` (``unit``,
+``distributed``, ``integration``, ``gpu``; registered in ``pyproject.toml``), so ``-m unit`` runs
+one layer without a decorator in each file. See ``tests/README.md``.
+
+Hypothesis: ``ci`` (the default) is derandomized, so every CI run tries the same examples and a
+failure reproduces exactly; ``dev`` draws fresh random examples, five times as many, for local bug
+hunting: ``HYPOTHESIS_PROFILE=dev python -m pytest tests/unit``. Tests scale their explicit
 ``max_examples`` by the profile's ``max_examples / 100``.
 """
 
 import os
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+TESTS_DIR = Path(__file__).resolve().parent
+LAYERS = ("unit", "distributed", "integration", "gpu")
 
 settings.register_profile(
     "ci",
@@ -26,3 +35,21 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def layer_of(path: Path) -> str | None:
+    """The layer of a test file: the first directory below ``tests/`` when it names a layer."""
+    try:
+        parts = path.resolve().relative_to(TESTS_DIR).parts
+    except ValueError:  # outside tests/ (e.g. functional_tests/, which marks its own)
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its layer. The hook sees every item of the session, not only those
+    under this directory, hence the path check."""
+    for item in items:
+        layer = layer_of(Path(item.path))
+        if layer is not None:
+            item.add_marker(getattr(pytest.mark, layer))

@@ -35,7 +35,7 @@ from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
 from megatron_dcp.scheduling import CPGroup, Plan
 from megatron_dcp.scheduling.registry import Scheduler
-from megatron_dcp.scheduling.simulator import rank_loads
+from megatron_dcp.scheduling.metrics import plan_imbalance
 
 Sample = Dict[str, torch.Tensor]
 Batch = Dict[str, Any]
@@ -190,15 +190,8 @@ def batch_stats(
         sum_seqlen_squared=sum(length * length for length in plan.seqlens),
         local_tokens=sum(int(b["tokens"].shape[-1]) for b in batches),
         bytes_received=bytes_received,
-        estimated_imbalance=estimated_imbalance(plan, scheduler.cost_model),
+        estimated_imbalance=plan_imbalance(plan, scheduler.cost_model),
     )
-
-
-def estimated_imbalance(plan: Plan, cost: Any) -> float:
-    """Critical path over the mean per-rank load: 1.0 when every micro-batch is balanced."""
-    loads = [rank_loads(plan, microbatch, cost) for microbatch in plan.microbatches]
-    mean = sum(sum(row) / len(row) for row in loads)
-    return sum(max(row) for row in loads) / mean if mean > 0 else 1.0
 
 
 def sample_length(sample: Sample) -> int:

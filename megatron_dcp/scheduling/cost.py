@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_dcp.scheduling.errors import SchedulingError
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -94,5 +96,9 @@ COST_MODELS = {"model": CostModel.from_model_shape, "attention": CostModel.atten
 
 def build_cost_model(name: str = "model") -> CostModel:
     if name not in COST_MODELS:
-        raise ValueError(f"--cost-model={name!r}: choose one of {sorted(COST_MODELS)}.")
+        raise SchedulingError(
+            "{cost_model}={name!r}: choose one of {names}.",
+            name=name,
+            names=", ".join(sorted(COST_MODELS)),
+        )
     return COST_MODELS[name]()

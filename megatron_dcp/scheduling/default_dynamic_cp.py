@@ -41,7 +41,8 @@ from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Block, Domain
 from megatron_dcp.scheduling.draft import GroupDraft, Item, freeze_microbatch
 from megatron_dcp.scheduling.plan import MicroBatch
-from megatron_dcp.scheduling.registry import VPP_FLAG, Scheduler
+from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.registry import Scheduler
 
 # A sample is heavy (opens a micro-batch of its own level) when it costs more per rank than
 # HEAVY × the mean level and reaching that level would cost it HEAVY_WASTE more CP overhead.
@@ -577,11 +578,14 @@ def whole_domain_rows(ctx: Context, items: Sequence[Item], vpp: int, limit: int)
         bins[index].append(item)
         room[index] -= item.seqlen
     if len(bins) > limit:
-        raise ValueError(
-            f"{VPP_FLAG}={vpp}: the micro-batch count must be a multiple of {vpp} and at most the "
-            f"sample count ({len(items)}), but these samples need at least {len(bins)} "
-            f"micro-batches of {capacity} tokens; use a larger --global-batch-size, a smaller "
-            f"{VPP_FLAG} or a larger --max-seqlen-per-dp-cp-rank."
+        raise SchedulingError(
+            "{vpp}={k}: the micro-batch count must be a multiple of {k} and at most the sample "
+            "count ({count}), but these samples need at least {needed} micro-batches of "
+            "{capacity} tokens; use {batch}, a smaller {vpp} or a larger {budget}.",
+            k=vpp,
+            count=len(items),
+            needed=len(bins),
+            capacity=capacity,
         )
     return [[whole_domain_group(ctx, bin_items)] for bin_items in bins]
 

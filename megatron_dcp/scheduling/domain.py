@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Optional, Tuple
 
-BUDGET_FLAG = "--max-seqlen-per-dp-cp-rank"
-MIN_CP_FLAG = "--min-dynamic-context-parallel-size"
+from megatron_dcp.scheduling.errors import SchedulingError
+
 
 
 def is_power_of_two(value: int) -> bool:
@@ -56,18 +56,25 @@ class Domain:
     def __post_init__(self) -> None:
         for name, value in (("dp_size", self.dp_size), ("cp_size", self.cp_size)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be a positive integer.")
+                raise SchedulingError(
+                    "{%s}={value!r}: must be a positive integer." % name, value=value
+                )
         budget = self.max_seqlen_per_dp_cp_rank
         if not isinstance(budget, int) or budget <= 0:
-            raise ValueError(
-                f"{BUDGET_FLAG}={budget!r}: the per-rank token budget must be a positive integer; "
-                f"set it to the most tokens one rank may hold in a micro-batch (e.g. 4096)."
+            raise SchedulingError(
+                "{budget}={value!r}: the per-rank token budget must be a positive integer; "
+                "set it to the most tokens one rank may hold in a micro-batch (e.g. 4096).",
+                value=budget,
             )
         if not is_power_of_two(self.min_cp_size) or self.min_cp_size > self.size:
-            raise ValueError(
-                f"{MIN_CP_FLAG}={self.min_cp_size!r}: must be a power of two between 1 and the "
-                f"DP×CP domain size {self.size} (dp {self.dp_size} × cp {self.cp_size}); "
-                f"use 1, 2, 4, ... up to {largest_power_of_two_at_most(self.size)}."
+            raise SchedulingError(
+                "{min_cp_size}={value!r}: must be a power of two between 1 and the DP×CP domain "
+                "size {size} (dp {dp} × cp {cp}); use 1, 2, 4, ... up to {largest}.",
+                value=self.min_cp_size,
+                size=self.size,
+                dp=self.dp_size,
+                cp=self.cp_size,
+                largest=largest_power_of_two_at_most(self.size),
             )
 
     @property
@@ -114,13 +121,18 @@ class Domain:
             raise self.too_long_error(seqlen)
         return self.group_sizes[index]
 
-    def too_long_error(self, seqlen: int, sample_id: Optional[int] = None) -> ValueError:
+    def too_long_error(self, seqlen: int, sample_id: Optional[int] = None) -> SchedulingError:
         which = f"sample {sample_id} has" if sample_id is not None else "a sequence has"
-        return ValueError(
-            f"{BUDGET_FLAG}={self.budget}: {which} {seqlen} tokens, more than the whole DP×CP "
-            f"domain can hold ({self.size} ranks × {self.budget} = {self.max_tokens_per_sequence}). "
-            f"Raise {BUDGET_FLAG} to at least {-(-seqlen // self.size)}, use more DP×CP ranks, "
-            f"or truncate sequences (--seq-length)."
+        return SchedulingError(
+            "{budget}={value}: {which} {seqlen} tokens, more than the whole DP×CP domain can hold "
+            "({size} ranks × {value} = {capacity}). Raise {budget} to at least {least}, use more "
+            "DP×CP ranks, or use {max_seqlen}.",
+            value=self.budget,
+            which=which,
+            seqlen=seqlen,
+            size=self.size,
+            capacity=self.max_tokens_per_sequence,
+            least=-(-seqlen // self.size),
         )
 
     def root(self) -> Block:
@@ -152,9 +164,11 @@ class Domain:
             except TypeError:
                 value = -1
             if value < 0 or isinstance(seqlen, bool):
-                raise ValueError(
-                    f"seqlens[{sample_id}]={seqlen!r}: sequence lengths must be non-negative "
-                    f"integers (token counts); check the dataset's sample lengths."
+                raise SchedulingError(
+                    "seqlens[{sample_id}]={seqlen!r}: sequence lengths must be non-negative "
+                    "integers (token counts); check the dataset's sample lengths.",
+                    sample_id=sample_id,
+                    seqlen=seqlen,
                 )
             if value > self.max_tokens_per_sequence:
                 raise self.too_long_error(value, sample_id)

@@ -8,7 +8,8 @@ from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partitio
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.plan import MicroBatch
-from megatron_dcp.scheduling.registry import VPP_FLAG, Scheduler
+from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.registry import Scheduler
 
 
 class DPBalancedScheduler(Scheduler, name="dp_balanced"):
@@ -18,10 +19,11 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
         super().__init__(*args, **kwargs)
         cp_block = Block(0, self.domain.cp_size)
         if not self.domain.is_group_block(cp_block):
-            raise ValueError(
-                f"--context-parallel-size={self.domain.cp_size}: dp_balanced needs a CP group of "
-                f"exactly cp_size ranks, which requires a power of two ≥ "
-                f"--min-dynamic-context-parallel-size={self.domain.min_cp_size} (or dp_size 1)."
+            raise SchedulingError(
+                "{cp_size}={cp}: dp_balanced needs a CP group of exactly {cp_size} ranks, which "
+                "requires a power of two ≥ {min_cp_size}={min_cp} (or {dp_size} 1).",
+                cp=self.domain.cp_size,
+                min_cp=self.domain.min_cp_size,
             )
 
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
@@ -35,11 +37,14 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
             if bins is not None and all(bins):
                 return [self._microbatch(bins[m * dp : (m + 1) * dp]) for m in range(count)]
             count = align_microbatch_count(count + 1, self._vpp)
-        vpp = f" and {VPP_FLAG}={self._vpp} (the count must be its multiple)" if self._vpp else ""
-        raise ValueError(
-            f"dp_balanced: {len(items)} samples cannot fill {dp} DP ranks in every micro-batch "
-            f"(static CP leaves ranks idle){vpp}; use a larger --global-batch-size, "
-            f"{'a smaller ' + VPP_FLAG + ', ' if self._vpp else ''}or default_dynamic_cp."
+        vpp = " and {vpp}={k} (the count must be its multiple)" if self._vpp else ""
+        smaller_vpp = "a smaller {vpp}, " if self._vpp else ""
+        raise SchedulingError(
+            "dp_balanced: {count} samples cannot fill {dp} DP ranks in every micro-batch (static "
+            f"CP leaves ranks idle){vpp}; use {{batch}}, {smaller_vpp}or default_dynamic_cp.",
+            count=len(items),
+            dp=dp,
+            k=self._vpp,
         )
 
     @property
@@ -53,10 +58,14 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
         limit = self.domain.cp_size * self.domain.budget
         for item in items:
             if item.seqlen > limit:
-                raise ValueError(
-                    f"--max-seqlen-per-dp-cp-rank={self.domain.budget}: sample {item.sample_id} has "
-                    f"{item.seqlen} tokens, more than static CP{self.domain.cp_size} holds ({limit}); "
-                    f"raise the budget or use --sequence-packing-scheduler default_dynamic_cp."
+                raise SchedulingError(
+                    "{budget}={value}: sample {sample_id} has {seqlen} tokens, more than static "
+                    "CP{cp} holds ({limit}); raise {budget} or use {scheduler} default_dynamic_cp.",
+                    value=self.domain.budget,
+                    sample_id=item.sample_id,
+                    seqlen=item.seqlen,
+                    cp=self.domain.cp_size,
+                    limit=limit,
                 )
 
     def _microbatch(self, bins: Sequence[Sequence[Item]]) -> MicroBatch:

@@ -6,10 +6,10 @@ from typing import ClassVar, Dict, Iterable, List, Optional, Type
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import MicroBatch, Plan
 
 SCHEDULERS: Dict[str, Type["Scheduler"]] = {}
-VPP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 
 
 class Scheduler:
@@ -41,8 +41,9 @@ class Scheduler:
         self.domain = Domain(dp_size, cp_size, max_seqlen_per_dp_cp_rank, min_cp_size)
         k = microbatch_group_size_per_vp_stage
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(
-                f"{VPP_FLAG}={k!r}: must be a positive integer (usually the pipeline-parallel size)."
+            raise SchedulingError(
+                "{vpp}={value!r}: must be a positive integer (usually the pipeline-parallel size).",
+                value=k,
             )
         self.microbatch_group_size_per_vp_stage = k
         self.cost_model = cost_model or CostModel.from_model_shape()
@@ -61,8 +62,9 @@ class Scheduler:
 def build_scheduler(name: str, **kwargs) -> Scheduler:
     """Build the scheduler registered as ``name`` (see :data:`SCHEDULERS`)."""
     if name not in SCHEDULERS:
-        raise ValueError(
-            f"--sequence-packing-scheduler={name!r}: unknown scheduler; choose one of "
-            f"{sorted(SCHEDULERS)}."
+        raise SchedulingError(
+            "{scheduler}={name!r}: unknown scheduler; choose one of {names}.",
+            name=name,
+            names=", ".join(sorted(SCHEDULERS)),
         )
     return SCHEDULERS[name](**kwargs)

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from megatron_dcp.launcher import RunLog, flag_list, run_pretrain
+from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "functional_tests" / "test_cases"
 

@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.integration.attention import reference_layer_spec, with_core_attention
-from megatron_dcp.integration.cpu_backend import enable_cpu_backend
+from megatron_dcp.integration.cpu.attention import reference_layer_spec, with_core_attention
+from megatron_dcp.integration.cpu.backend import enable_cpu_backend
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.integration.schedule import packed_seq_params_of
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple

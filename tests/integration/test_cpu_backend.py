@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.integration.attention import ReferenceCoreAttention, with_core_attention
-from megatron_dcp.integration.cpu_backend import (
+from megatron_dcp.integration.cpu.attention import ReferenceCoreAttention, with_core_attention
+from megatron_dcp.integration.cpu.backend import (
     cpu_backend_enabled,
     disable_cpu_backend,
     enable_cpu_backend,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from megatron_dcp.integration.datasets import (
+from megatron_dcp.integration.data.datasets import (
     DEFAULT_DISTRIBUTION,
     IndexedDocumentDataset,
     VarlenMockDataset,

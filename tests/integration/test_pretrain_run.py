@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
-from megatron_dcp.launcher import flag_list, run_pretrain
+from megatron_dcp.tools.launcher import flag_list, run_pretrain
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from megatron_dcp import cli
-from megatron_dcp.integration import hybrid_cp_peer as peer
+from megatron_dcp.tools import cli
+from megatron_dcp.tools.peers import megatron_hybrid_cp as peer
 from megatron_dcp.scheduling import build_cost_model
 from megatron_dcp.scheduling.domain import Domain
 
@@ -164,9 +164,9 @@ def test_benchmark_json(monkeypatch, capsys):
 
 
 def fake_fuzz(monkeypatch, violations):
-    module = types.ModuleType("megatron_dcp.scheduling.fuzz")
+    module = types.ModuleType("megatron_dcp.tools.fuzz")
     module.run_fuzz = lambda cases, seed: types.SimpleNamespace(cases=cases, violations=violations)
-    monkeypatch.setitem(sys.modules, "megatron_dcp.scheduling.fuzz", module)
+    monkeypatch.setitem(sys.modules, "megatron_dcp.tools.fuzz", module)
 
 
 def test_fuzz_passes(monkeypatch, capsys):
@@ -188,8 +188,8 @@ def test_render_table_alignment():
 
 def test_scheduling_imports_neither_matplotlib_nor_megatron():
     code = (
-        "import sys, megatron_dcp.cli, megatron_dcp.scheduling.plot, "
-        "megatron_dcp.scheduling.workloads, megatron_dcp.integration.hybrid_cp_peer;"
+        "import sys, megatron_dcp.tools.cli, megatron_dcp.tools.plot, "
+        "megatron_dcp.tools.workloads, megatron_dcp.tools.peers.megatron_hybrid_cp;"
         "bad = [m for m in ('matplotlib', 'megatron.core', 'torch') if m in sys.modules];"
         "assert not bad, bad"
     )

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from megatron_dcp.scheduling import CostModel, build_scheduler
-from megatron_dcp.scheduling.simulator import critical_path, lower_bound
+from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 
 LAYOUTS = [(2, 4, 2048), (1, 1, 512), (3, 2, 1024), (4, 4, 4096)]
 
@@ -62,20 +62,20 @@ def test_vpp_alignment():
 @pytest.mark.parametrize(
     "kwargs,seqlens,flag",
     [
-        (dict(max_seqlen_per_dp_cp_rank=0), [1], "--max-seqlen-per-dp-cp-rank"),
-        (dict(max_seqlen_per_dp_cp_rank=8, min_cp_size=3), [1], "--min-dynamic-context-parallel-size"),
-        (dict(max_seqlen_per_dp_cp_rank=8), [33], "--max-seqlen-per-dp-cp-rank"),
+        (dict(max_seqlen_per_dp_cp_rank=0), [1], "budget=0"),
+        (dict(max_seqlen_per_dp_cp_rank=8, min_cp_size=3), [1], "min_cp_size=3"),
+        (dict(max_seqlen_per_dp_cp_rank=8), [33], "budget=8"),
         (dict(max_seqlen_per_dp_cp_rank=8), [-1], "seqlens[0]"),
     ],
 )
-def test_bad_input_names_the_flag(kwargs, seqlens, flag):
+def test_bad_input_names_the_parameter(kwargs, seqlens, flag):
     with pytest.raises(ValueError, match=flag.replace("[", r"\[").replace("]", r"\]")):
         build_scheduler("default_dynamic_cp", dp_size=2, cp_size=2, **kwargs).schedule(seqlens)
 
 
 def test_scheduling_imports_neither_torch_nor_megatron():
     code = (
-        "import sys, megatron_dcp.scheduling, megatron_dcp.scheduling.simulator;"
+        "import sys, megatron_dcp.scheduling, megatron_dcp.tools.simulator;"
         "bad = [m for m in ('torch', 'megatron', 'numpy') if m in sys.modules];"
         "assert not bad, bad"
     )

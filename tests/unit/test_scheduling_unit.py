@@ -35,12 +35,13 @@ from megatron_dcp.scheduling.default_dynamic_cp import (
     rebalance_row,
     trial_sizes,
 )
-from megatron_dcp.scheduling.domain import BUDGET_FLAG, MIN_CP_FLAG, Block
+from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, group_of_items
-from megatron_dcp.scheduling.fuzz import check_plan, min_bins_bounds, run_fuzz
-from megatron_dcp.scheduling.registry import VPP_FLAG
+from megatron_dcp.tools.fuzz import check_plan, min_bins_bounds, run_fuzz
 
 NAMES = ("default_dynamic_cp", "dp_balanced")
+# Scheduling errors name the scheduling parameters (the flags come from the layers above).
+BUDGET, MIN_CP, VPP = "budget", "min_cp_size", "microbatch_group_size_per_vp_stage"
 
 
 def is_pow2(value: int) -> bool:
@@ -68,10 +69,11 @@ def covered(groups) -> list:
         (3, 4, 4, {0: 4, 40: 4, 41: 8, 80: 8, 81: 12, 120: 12}),
     ],
 )
+
 def test_cp_degree_examples(dp, cp, min_cp, expected):
     domain = Domain(dp, cp, 10, min_cp)
     assert {length: domain.cp_degree(length) for length in expected} == expected
-    with pytest.raises(ValueError, match=BUDGET_FLAG):
+    with pytest.raises(ValueError, match=BUDGET):
         domain.cp_degree(domain.size * 10 + 1)
 
 
@@ -153,7 +155,7 @@ def test_is_group_block(n, min_cp, block, ok):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("budget", [0, -1, 2.5, "8", None])
 def test_bad_budget(name, budget):
-    with pytest.raises(ValueError, match=f"{BUDGET_FLAG}={budget!r}".replace(".", r"\.")):
+    with pytest.raises(ValueError, match=f"{BUDGET}={budget!r}".replace(".", r"\.")):
         build_scheduler(name, dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=budget)
 
 
@@ -161,14 +163,14 @@ def test_bad_budget(name, budget):
 @pytest.mark.parametrize("min_cp", [0, -2, 3, 6, 8, 16])
 def test_bad_min_cp(name, min_cp):
     """Not a power of two, or larger than N = 4."""
-    with pytest.raises(ValueError, match=f"{MIN_CP_FLAG}={min_cp}"):
+    with pytest.raises(ValueError, match=f"{MIN_CP}={min_cp}"):
         build_scheduler(name, dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8, min_cp_size=min_cp)
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("vpp", [0, -1, True, 1.5])
 def test_bad_vpp_group_size(name, vpp):
-    with pytest.raises(ValueError, match=VPP_FLAG):
+    with pytest.raises(ValueError, match=VPP):
         build_scheduler(
             name,
             dp_size=2,
@@ -196,16 +198,16 @@ def test_bad_length_names_the_sample(name, bad):
 @pytest.mark.parametrize("name", NAMES)
 def test_too_long_sequence_names_the_flag_the_value_and_the_fix(name):
     scheduler = build_scheduler(name, dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8)
-    with pytest.raises(ValueError, match=f"{BUDGET_FLAG}=8") as info:
+    with pytest.raises(ValueError, match=f"{BUDGET}=8") as info:
         scheduler.schedule([1, 33, 2])
     assert "sample 1" in str(info.value) and "33" in str(info.value)
     assert "at least 9" in str(info.value)  # the smallest budget that fits 33 tokens on 4 ranks
 
 
 def test_dp_balanced_needs_a_cp_group_of_cp_size():
-    with pytest.raises(ValueError, match="--context-parallel-size=3"):
+    with pytest.raises(ValueError, match="cp_size=3"):
         build_scheduler("dp_balanced", dp_size=2, cp_size=3, max_seqlen_per_dp_cp_rank=8)
-    with pytest.raises(ValueError, match="--context-parallel-size=2"):
+    with pytest.raises(ValueError, match="cp_size=2"):
         build_scheduler(
             "dp_balanced", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8, min_cp_size=4
         )
@@ -216,7 +218,7 @@ def test_dp_balanced_needs_a_cp_group_of_cp_size():
 
 def test_dp_balanced_sequence_longer_than_static_cp_names_the_flag():
     scheduler = build_scheduler("dp_balanced", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8)
-    with pytest.raises(ValueError, match=BUDGET_FLAG):
+    with pytest.raises(ValueError, match=BUDGET):
         scheduler.schedule([17, 1])
 
 
@@ -283,8 +285,8 @@ def test_a_scheduler_that_returns_a_broken_plan_is_caught(registered_names):
         ).schedule([1])
 
 
-def test_unknown_scheduler_names_the_flag_and_the_choices():
-    with pytest.raises(ValueError, match="--sequence-packing-scheduler='nope'") as info:
+def test_unknown_scheduler_names_the_parameter_and_the_choices():
+    with pytest.raises(ValueError, match="scheduler='nope'") as info:
         build_scheduler("nope", dp_size=1, cp_size=1, max_seqlen_per_dp_cp_rank=8)
     assert "default_dynamic_cp" in str(info.value) and "dp_balanced" in str(info.value)
 
@@ -435,7 +437,7 @@ def test_cost_model_rejects_bad_coefficients(coefficients):
 def test_build_cost_model():
     assert build_cost_model("model") == MODEL
     assert build_cost_model("attention") == CostModel.attention_only()
-    with pytest.raises(ValueError, match="--cost-model='flops'"):
+    with pytest.raises(ValueError, match="cost_model='flops'"):
         build_cost_model("flops")
 
 
@@ -633,7 +635,7 @@ def test_align_to_vpp_falls_back_to_whole_domain_microbatches_or_names_the_flag(
     assert [[i.sample_id for i in row[0].items] for row in aligned] == [[0], [1, 2]]
     full = items_of(ctx, [2, 2, 2])
     rows = [[group_of_items(Block(0, 1), [item], ctx.cost)] for item in full]
-    with pytest.raises(ValueError, match=VPP_FLAG):
+    with pytest.raises(ValueError, match=VPP):
         align_to_vpp(ctx, rows, full, 2)
     assert align_to_vpp(ctx, rows, full, None) is rows
 

@@ -6,16 +6,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dcp.scheduling.workloads import (
-    REFERENCE_WORKLOADS,
+from megatron_dcp.integration.data.lengths import (
     Constant,
     LogNormal,
     Mixture,
     Uniform,
+    sample_lengths,
+)
+from megatron_dcp.tools.workloads import (
+    REFERENCE_WORKLOADS,
     parse_distribution,
     read_lengths,
     reference_workload,
-    sample_lengths,
 )
 
 

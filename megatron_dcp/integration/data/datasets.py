@@ -14,7 +14,7 @@ order of access, so resuming at any consumed-sample count reproduces the data ex
 Sources (exactly one; see ``docs/datasets.md``):
 
 * ``--varlen-distribution SPEC``: mock data, lengths drawn from a distribution spec parsed by
-  :func:`megatron_dcp.scheduling.workloads.parse_distribution` (the simulator's syntax).
+  :func:`megatron_dcp.integration.data.lengths.parse_distribution` (the simulator's syntax).
 * ``--varlen-lengths-file PATH``: mock data, lengths cycled from a file (one length a line).
 * ``--data-path PREFIX``: real documents from a megatron indexed dataset (``.bin``/``.idx``).
 """
@@ -32,8 +32,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from megatron_dcp.scheduling import workloads
-from megatron_dcp.scheduling.workloads import Distribution
+from megatron_dcp.integration.data.lengths import (
+    Distribution,
+    parse_distribution,
+    read_lengths,
+    renamed,
+)
 
 DISTRIBUTION_FLAG = "--varlen-distribution"
 LENGTHS_FILE_FLAG = "--varlen-lengths-file"
@@ -74,20 +78,12 @@ class FileLengths:
         return self.lengths[index % len(self.lengths)]
 
 
-def _renamed(error: ValueError, old_flag: str, new_flag: str) -> ValueError:
-    """The simulator's error with its flag name replaced by the training flag's."""
-    message = str(error)
-    if message.startswith(old_flag + "="):
-        message = new_flag + message[len(old_flag) :]
-    return ValueError(message)
-
-
 def parse_length_distribution(spec: str) -> DistributionLengths:
-    """Parse a ``--varlen-distribution`` spec (syntax of ``scheduling.workloads``)."""
+    """Parse a ``--varlen-distribution`` spec (syntax of ``integration.data.lengths``)."""
     try:
-        distribution = workloads.parse_distribution(spec)
+        distribution = parse_distribution(spec)
     except ValueError as error:
-        raise _renamed(error, workloads.DISTRIBUTION_FLAG, DISTRIBUTION_FLAG) from None
+        raise renamed(error, DISTRIBUTION_FLAG) from None
     return DistributionLengths(distribution, spec)
 
 
@@ -103,9 +99,9 @@ def _first_zero_line(path: str) -> Optional[Tuple[int, str]]:
 def lengths_from_file(path: str) -> FileLengths:
     """Read a ``--varlen-lengths-file``: one positive length a line, ``#`` comments allowed."""
     try:
-        lengths = workloads.read_lengths(path)
+        lengths = read_lengths(path)
     except ValueError as error:
-        raise _renamed(error, workloads.LENGTHS_FLAG, LENGTHS_FILE_FLAG) from None
+        raise renamed(error, LENGTHS_FILE_FLAG) from None
     zero = _first_zero_line(path) if 0 in lengths else None
     if zero is not None:
         raise ValueError(

@@ -1,7 +1,10 @@
-"""Sequence-length workloads for the simulator: distribution specs, sampling, lengths files and the
-four reference workloads of the benchmark. Pure Python (``random.Random``), no numpy or torch.
+"""Sequence lengths: distribution specs, sampling and lengths files, for the mock training data
+(``--varlen-distribution``, ``--varlen-lengths-file``) and the simulator (``megatron-dcp simulate
+--distribution / --lengths``). Pure Python (``random.Random``), no numpy or torch. Errors start with
+the parameter's name (``distribution=...``, ``lengths_file=...``); callers put their flag in its
+place with :func:`renamed`.
 
-Distribution spec syntax (the value of ``--distribution``)::
+Distribution spec syntax::
 
     lognormal:median=M,sigma=S[,min=A][,max=B]   log-normal with median M (or mean=M) and shape S
     uniform:min=A,max=B                          integers uniformly in [A, B]
@@ -21,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-DISTRIBUTION_FLAG = "--distribution"
-LENGTHS_FLAG = "--lengths"
+DISTRIBUTION_FLAG = "distribution"
+LENGTHS_FLAG = "lengths_file"
 SYNTAX_HELP = (
     "use e.g. 'lognormal:median=1024,sigma=1.0,max=8192', 'uniform:min=1,max=32768', "
     "'constant:value=4096' or 'mixture:0.99*lognormal:median=1024,sigma=1.0|"
@@ -233,73 +236,11 @@ def read_lengths(path: str) -> List[int]:
     return lengths
 
 
-@dataclass(frozen=True)
-class Workload:
-    """A benchmark workload: domain layout, per-rank budget and length distribution."""
-
-    name: str
-    description: str
-    dp_size: int
-    cp_size: int
-    budget: int
-    distribution: str
-
-    @property
-    def domain_size(self) -> int:
-        return self.dp_size * self.cp_size
-
-    @property
-    def total_tokens(self) -> int:
-        """Tokens per global batch: 8 full micro-batches' worth (8 × N × budget)."""
-        return 8 * self.domain_size * self.budget
-
-    def lengths(self, seed: int = 0) -> List[int]:
-        dist = parse_distribution(self.distribution)
-        return sample_lengths(dist, seed, total_tokens=self.total_tokens)
-
-
-REFERENCE_WORKLOADS: Tuple[Workload, ...] = (
-    Workload(
-        "lognormal",
-        "log-normal, mean 1024, σ 1.5, 128–8192",
-        2,
-        4,
-        2048,
-        "lognormal:mean=1024,sigma=1.5,min=128,max=8192",
-    ),
-    Workload(
-        "rl-rollouts",
-        "RL rollouts: log-normal median 4096, σ 0.8, ≤32K",
-        16,
-        4,
-        8192,
-        "lognormal:median=4096,sigma=0.8,max=32768",
-    ),
-    Workload(
-        "long-sft",
-        "long-context SFT: 99% log-normal median 1024 + 1% 32K–256K",
-        4,
-        16,
-        16384,
-        "mixture:0.99*lognormal:median=1024,sigma=1.0|0.01*uniform:min=32768,max=262144",
-    ),
-    Workload("uniform", "uniform 1–32768", 4, 4, 4096, "uniform:min=1,max=32768"),
-)
-
-
-def reference_workload(name: str) -> Workload:
-    """Look up a reference workload by name or 1-based index."""
-    for index, workload in enumerate(REFERENCE_WORKLOADS, start=1):
-        if name in (workload.name, str(index)):
-            return workload
-    names = ", ".join(w.name for w in REFERENCE_WORKLOADS)
-    raise ValueError(f"--workload={name!r}: unknown workload; choose one of {names} (or 1–4).")
-
-
-def summarize(lengths: Sequence[int]) -> str:
-    """One line: count, total, mean, max."""
-    total = sum(lengths)
-    mean = total / len(lengths) if lengths else 0.0
-    return (
-        f"{len(lengths)} sequences, {total} tokens, mean {mean:.0f}, max {max(lengths, default=0)}"
-    )
+def renamed(error: ValueError, flag: str) -> ValueError:
+    """``error`` with its leading parameter name (``distribution`` or ``lengths_file``) replaced
+    by the flag the user typed."""
+    message = str(error)
+    for name in (DISTRIBUTION_FLAG, LENGTHS_FLAG):
+        if message.startswith(name + "="):
+            return ValueError(flag + message[len(name) :])
+    return ValueError(message)

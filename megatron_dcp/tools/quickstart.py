@@ -1,7 +1,7 @@
 """Quick-start: train a tiny GPT on 8 CPU ranks (TP2 × CP4) twice on the same variable-length
 data — static CP (``dp_balanced``) and DCP (``default_dynamic_cp``) — and compare them.
 
-    python -m megatron_dcp.quickstart [--iters 5] [--out quickstart_out]
+    python -m megatron_dcp.tools.quickstart [--iters 5] [--out quickstart_out]
 
 Prints the per-iteration loss of both runs (they must agree: DCP changes speed, never math), the
 micro-batch counts, CP-size histograms, per-rank load imbalance and throughput, and writes the
@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from megatron_dcp.launcher import RunLog, flag_list, run_pretrain
+from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
 
 NPROC, TP, CP = 8, 2, 4
 MODEL: Dict[str, object] = {
@@ -80,7 +80,7 @@ def comparison(static: RunLog, dcp: RunLog) -> List[str]:
 def first_batch_lengths() -> List[int]:
     """Lengths of iteration 1's global batch in the order the runs planned it (one DP rank:
     megatron's sampler hands out samples 0 .. global batch size − 1 in order)."""
-    from megatron_dcp.integration.datasets import build_varlen_datasets
+    from megatron_dcp.integration.data.datasets import build_varlen_datasets
 
     train_ds, _, _ = build_varlen_datasets(
         seq_length=int(MODEL["--seq-length"]),
@@ -95,8 +95,8 @@ def first_batch_lengths() -> List[int]:
 def plot_first_plans(lengths: Sequence[int], path: Path) -> Dict[str, int]:
     """Plan iteration 1 with both schedulers (as the runs did) and draw them side by side."""
     from megatron_dcp.scheduling import build_scheduler
-    from megatron_dcp.scheduling.plot import plan_panel, plot_panels
-    from megatron_dcp.scheduling.simulator import report
+    from megatron_dcp.tools.plot import plan_panel, plot_panels
+    from megatron_dcp.tools.simulator import report
 
     panels, counts = [], {}
     for name in SCHEDULERS:

@@ -15,17 +15,37 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, build_cost_model, build_scheduler
 from megatron_dcp.scheduling.cost import COST_MODELS
 from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.plot import Panel, plan_panel
-from megatron_dcp.scheduling.simulator import Report, report, timed_schedule
-from megatron_dcp.scheduling.workloads import (
+from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.tools.plot import Panel, plan_panel
+from megatron_dcp.tools.simulator import Report, report, timed_schedule
+from megatron_dcp.integration.data.lengths import sample_lengths
+from megatron_dcp.tools.workloads import (
     REFERENCE_WORKLOADS,
     Workload,
     parse_distribution,
     read_lengths,
     reference_workload,
-    sample_lengths,
     summarize,
 )
+
+# The simulator's flags for the scheduling parameters its errors name.
+FLAGS = {
+    "budget": "--max-seqlen-per-dp-cp-rank",
+    "min_cp_size": "--min-cp-size",
+    "dp_size": "--dp-size",
+    "cp_size": "--cp-size",
+    "vpp": "--microbatch-group-size-per-vp-stage",
+    "scheduler": "--schedulers",
+    "cost_model": "--cost-model",
+    "batch": "more sequences (--num-sequences, --tokens-per-global-batch)",
+    "max_seqlen": "shorter sequences",
+}
+
+
+def error_message(error: ValueError) -> str:
+    """``error`` worded with the simulator's flags."""
+    return error.worded(FLAGS) if isinstance(error, SchedulingError) else str(error)
+
 
 PEER_ALIAS = "megatron"
 BENCHMARK_SCHEDULERS = ("default_dynamic_cp", "dp_balanced", PEER_ALIAS)
@@ -113,14 +133,14 @@ def run_ours(
         )
         plan, elapsed = timed_schedule(scheduler, lengths)
     except ValueError as error:
-        return Row(name, note=str(error))
+        return Row(name, note=error_message(error))
     result = report(name, plan, cost, elapsed)
     return Row(name, result, panel=plan_panel(plan, cost, result) if panel else None)
 
 
 def run_peer(lengths: Sequence[int], layout: Layout, cost: CostModel, panel: bool) -> Row:
     """megatron-core's hybrid-CP scheduler; omitted (with a note) when megatron is missing."""
-    from megatron_dcp.integration import hybrid_cp_peer as peer
+    from megatron_dcp.tools.peers import megatron_hybrid_cp as peer
 
     domain = layout.domain()
     try:
@@ -267,7 +287,7 @@ def simulate_title(args: argparse.Namespace, workload: Workload) -> str:
 
 def write_plot(outcome: Outcome, path: str) -> None:
     """One panel per scheduler that produced a plan."""
-    from megatron_dcp.scheduling.plot import plot_panels
+    from megatron_dcp.tools.plot import plot_panels
 
     panels = [row.panel for row in outcome.rows if row.panel is not None]
     plot_panels(panels, path, f"{outcome.layout.describe()} · {summarize(outcome.lengths)}")
@@ -395,7 +415,7 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
 def cmd_fuzz(args: argparse.Namespace) -> int:
     """Run the plan-invariant fuzzer; exit 1 on any violation."""
     try:
-        from megatron_dcp.scheduling.fuzz import run_fuzz
+        from megatron_dcp.tools.fuzz import run_fuzz
     except ImportError as error:
         print(f"megatron-dcp fuzz: the fuzzer is not available ({error}).", file=sys.stderr)
         return 2
@@ -560,7 +580,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except ValueError as error:
-        print(f"megatron-dcp {args.command}: error: {error}", file=sys.stderr)
+        print(f"megatron-dcp {args.command}: error: {error_message(error)}", file=sys.stderr)
         return 2
 
 

@@ -1,6 +1,6 @@
 """``megatron.training`` on a machine without CUDA (facts in shared/CPU_BACKEND.md).
 
-On top of :func:`~megatron_dcp.integration.cpu_backend.enable_cpu_backend` (devices, streams and
+On top of :func:`~megatron_dcp.integration.cpu.backend.enable_cpu_backend` (devices, streams and
 RNG of megatron.core), the training loop needs these corrections, each naming what it corrects:
 
 - ``typing.override`` (3.12) is imported by ``megatron/training/models``: provided on 3.11;
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_dcp.integration.cpu_backend import enable_cpu_backend
+from megatron_dcp.integration.cpu.backend import enable_cpu_backend
 from megatron_dcp.integration.megatron_import import import_megatron_core
 
 _APPLIED = False
@@ -152,7 +152,7 @@ def cpu_notice() -> str:
 def reference_attention_in_mtp() -> None:
     from megatron.training.models import gpt
 
-    from megatron_dcp.integration.attention import with_core_attention
+    from megatron_dcp.integration.cpu.attention import with_core_attention
 
     original = gpt.mtp_block_spec
 

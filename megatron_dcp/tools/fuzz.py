@@ -6,7 +6,7 @@ checks the plan with :func:`check_plan`, which re-derives every invariant of DES
 fields of the plan without using :meth:`Plan.validate` or :class:`Domain` helpers. Inputs that a
 scheduler must or may reject (:func:`rejection`) must raise ``ValueError`` and nothing else; a
 rejection of an input that provably has a plan is a violation. Failures are shrunk to a short
-reproducer. Pure Python; run ``python -m megatron_dcp.scheduling.fuzz --cases 20000 --jobs 2``.
+reproducer. Pure Python; run ``python -m megatron_dcp.tools.fuzz --cases 20000 --jobs 2``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from itertools import zip_longest
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import InvalidPlanError, Plan
 from megatron_dcp.scheduling.registry import Scheduler, build_scheduler
 
@@ -350,8 +351,8 @@ def run_case(name: str, case: Case) -> Outcome:
     except ValueError as error:
         if expected is None:
             return Outcome(None, (f"ValueError on an input that has a plan: {_short(error)}",))
-        if "--" not in str(error):
-            return Outcome(None, (f"ValueError names no flag: {_short(error)}",))
+        if not isinstance(error, SchedulingError):
+            return Outcome(None, (f"ValueError is no SchedulingError: {_short(error)}",))
         return Outcome(None)
     except Exception as error:  # noqa: BLE001 - any other exception is the finding
         verdict = VERDICTS[expected]

@@ -1,0 +1,78 @@
+"""Plan metrics, the one definition every tool and log line uses: per-rank loads and tokens of
+a micro-batch, the critical path of a plan (Σ over micro-batches of the most-loaded rank's cost),
+its fluid lower bound, and the load imbalance of a micro-batch."""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.plan import MicroBatch, Plan
+
+
+def rank_loads(plan: Plan, microbatch: MicroBatch, cost: CostModel) -> List[float]:
+    """Per-position cost of one micro-batch."""
+    loads = [0.0] * plan.domain.size
+    for group in microbatch.groups:
+        load = sum(cost.per_rank(plan.seqlens[i], group.size) for i in group.sample_ids)
+        for rank in group.ranks:
+            loads[rank] = load
+    return loads
+
+
+def rank_tokens(plan: Plan, microbatch: MicroBatch) -> List[float]:
+    """Per-position tokens of one micro-batch."""
+    tokens = [0.0] * plan.domain.size
+    for group in microbatch.groups:
+        for rank in group.ranks:
+            tokens[rank] = group.tokens_per_rank(plan.seqlens)
+    return tokens
+
+
+def critical_path(plan: Plan, cost: CostModel) -> float:
+    """Σ over micro-batches of the most-loaded rank's cost."""
+    return sum(max(rank_loads(plan, mb, cost)) for mb in plan.microbatches)
+
+
+def lower_bound(plan: Plan, cost: CostModel) -> float:
+    """Fluid lower bound Σ_i W_i / N, with W_i the least total cost of sample i on any group it
+    fits (its minimum CP size: the overhead of that size is unavoidable)."""
+    return fluid_lower_bound(plan.seqlens, plan.domain, cost)
+
+
+def fluid_lower_bound(seqlens: Sequence[int], domain: Domain, cost: CostModel) -> float:
+    """:func:`lower_bound` from the lengths alone (for schedules that are not a :class:`Plan`)."""
+    total = 0.0
+    for seqlen in seqlens:
+        size = domain.cp_degree(seqlen)
+        total += cost.per_rank(seqlen, size) * size
+    return total / domain.size
+
+
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max/mean of per-rank loads (1.0 is perfect balance; 1.0 as well when nothing is loaded)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+
+def plan_imbalance(plan: Plan, cost: CostModel) -> float:
+    """Critical path over the sum of the micro-batches' mean per-rank loads: 1.0 when every
+    micro-batch is balanced (what the ``[DCP]`` log line reports as the estimated imbalance)."""
+    loads = [rank_loads(plan, microbatch, cost) for microbatch in plan.microbatches]
+    mean = sum(sum(row) / len(row) for row in loads)
+    return sum(max(row) for row in loads) / mean if mean > 0 else 1.0
+
+
+__all__ = [
+    "critical_path",
+    "fluid_lower_bound",
+    "imbalance",
+    "lower_bound",
+    "plan_imbalance",
+    "rank_loads",
+    "rank_tokens",
+]

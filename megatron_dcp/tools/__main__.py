@@ -1,0 +1,7 @@
+"""``python -m megatron_dcp.tools``: the ``megatron-dcp`` command line."""
+
+import sys
+
+from megatron_dcp.tools.cli import main
+
+sys.exit(main())

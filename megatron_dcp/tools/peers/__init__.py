@@ -1,0 +1,1 @@
+"""Peer schedulers run by the simulator for comparison (the real upstream code, scored under our cost model)."""
