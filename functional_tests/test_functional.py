@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dcp.tools.launcher import RunLog
 from megatron_dcp.testing.functional import case_names, load_case, run_case
+from megatron_dcp.tools.launcher import RunLog
 
 # Goldens were produced on this kind of machine (fp32, gloo, deterministic reductions); the
 # logged loss has 7 significant digits.

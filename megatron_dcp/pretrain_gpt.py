@@ -11,12 +11,12 @@ the DCP wrapper. Without CUDA the CPU backend is chosen automatically and says s
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
-from megatron_dcp.integration.cpu.training import cpu_notice, enable_cpu_training
+from megatron_dcp.integration.cpu.training import cpu_notice
+from megatron_dcp.integration.patches import enable_cpu_training
 
 # At import time: the checkpoint writer's worker processes re-import this module.
 ON_CPU = enable_cpu_training()
@@ -34,17 +34,12 @@ from megatron.training.argument_utils import (  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import print_rank_0, print_rank_last  # noqa: E402
 
+from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args  # noqa: E402
 from megatron_dcp.integration.cpu.attention import reference_layer_spec  # noqa: E402
 from megatron_dcp.integration.data.datasets import build_varlen_datasets  # noqa: E402
 from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
-from megatron_dcp.integration.training import (  # noqa: E402
-    DCPSettings,
-    add_dcp_args,
-    install_dcp_schedule,
-)
-from megatron_dcp.integration.validation import DCP_FLAG  # noqa: E402
-from megatron_dcp.scheduling import build_scheduler  # noqa: E402
+from megatron_dcp.integration.training import install_dcp_schedule  # noqa: E402
 
 # On CPU: gloo, the local implementation, and no fusions that need CUDA kernels (TE RoPE,
 # APEX gradient accumulation, persistent layer norm). Explicit flags still win.
@@ -58,52 +53,65 @@ CPU_DEFAULTS = {
 }
 
 
-def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_dcp_args(parser)
-    if ON_CPU:
-        parser.set_defaults(**CPU_DEFAULTS)
-    return parser
+def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentParser], Any]:
+    """megatron's ``extra_args_provider``: the DCP flags, per-token loss on (DCP needs it), the
+    CPU defaults when CUDA is absent, and, when ``argv`` is given (tests, programmatic runs),
+    a parser that reads ``argv`` instead of ``sys.argv``."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        add_dcp_args(parser)
+        parser.set_defaults(calculate_per_token_loss=True, **(CPU_DEFAULTS if ON_CPU else {}))
+        return parser if argv is None else ArgvParser(parser, argv)
+
+    return provide
+
+
+class ArgvParser:
+    """A parser whose ``parse_args`` / ``parse_known_args`` read a given argument list."""
+
+    def __init__(self, parser: argparse.ArgumentParser, argv: List[str]) -> None:
+        self.parser, self.argv = parser, list(argv)
+
+    def parse_args(self) -> argparse.Namespace:
+        return self.parser.parse_args(self.argv)
+
+    def parse_known_args(self) -> Any:
+        return self.parser.parse_known_args(self.argv)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    """megatron's arguments plus the DCP flags (with the CPU defaults when CUDA is absent)."""
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    return parse_and_validate_args(extra_args_provider=extra_args)
+    """megatron's arguments plus the DCP flags; ``argv`` defaults to the command line."""
+    return parse_and_validate_args(extra_args_provider=extra_args(argv))
 
 
-def check_args(args: argparse.Namespace) -> DCPSettings:
+def check_args(args: argparse.Namespace) -> DCPConfig:
     """Every DCP setting checked before the first step (ValueErrors naming the flag)."""
     if not args.dynamic_context_parallel:
         raise ValueError(
             f"megatron_dcp.pretrain_gpt trains with {DCP_FLAG}: add it (with "
             "--sequence-packing-scheduler dp_balanced for the static-CP baseline)."
         )
-    settings = DCPSettings.from_args(args)
     if not args.calculate_per_token_loss:
-        print_rank_0(f"megatron_dcp: {DCP_FLAG} turns on --calculate-per-token-loss")
-        args.calculate_per_token_loss = True
-    check_domain(args, settings)
-    return settings
+        raise ValueError(
+            f"{DCP_FLAG} needs --calculate-per-token-loss (it is on by default here; something "
+            "turned it off): sums of per-token losses divided by the global token count are the "
+            "only loss that stays right when ranks run different CP groups."
+        )
+    config = DCPConfig.from_args(args)
+    check_domain(args, config)
+    return config
 
 
-def check_domain(args: argparse.Namespace, settings: DCPSettings) -> None:
-    """The DP×CP domain admits the settings, and the longest possible sample fits it."""
-    scheduler = build_scheduler(
-        settings.scheduler,
-        dp_size=args.data_parallel_size,
-        cp_size=args.context_parallel_size,
-        max_seqlen_per_dp_cp_rank=settings.max_seqlen_per_dp_cp_rank,
-        min_cp_size=settings.min_cp_size,
-    )
-    domain = scheduler.domain
-    static = settings.scheduler == "dp_balanced"
+def check_domain(args: argparse.Namespace, config: DCPConfig) -> None:
+    """The DP×CP domain admits the configuration, and the longest possible sample fits it."""
+    domain = config.build_scheduler(args.data_parallel_size * args.context_parallel_size).domain
+    static = config.scheduler == "dp_balanced"
     capacity = (domain.cp_size if static else domain.size) * domain.budget
     if args.seq_length > capacity:
         raise ValueError(
             f"--seq-length={args.seq_length}: samples may be that long, but the DP×CP domain "
-            f"holds at most {capacity} tokens per sequence with {settings.scheduler} "
-            f"(--max-seqlen-per-dp-cp-rank={settings.max_seqlen_per_dp_cp_rank}, dp "
+            f"holds at most {capacity} tokens per sequence with {config.scheduler} "
+            f"(--max-seqlen-per-dp-cp-rank={config.max_seqlen_per_dp_cp_rank}, dp "
             f"{args.data_parallel_size} × cp {args.context_parallel_size}). Lower --seq-length "
             "or raise --max-seqlen-per-dp-cp-rank."
         )
@@ -142,11 +150,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if ON_CPU:
         torch.set_num_threads(1)  # several ranks share the few cores
     args = parse_args(argv)
-    settings = check_args(args)
+    config = check_args(args)
     if ON_CPU:
         print_rank_0(cpu_notice())
     apply_patches()
-    install_dcp_schedule(settings, log=print_rank_last)
+    install_dcp_schedule(config, log=print_rank_last)
     model_config = gpt_config_from_args(args)
     model_config.transformer_layer_spec = layer_spec
     pretrain(

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.runtime.exchange import (
-    GlobalLengths,
+from megatron_dcp.runtime.exchange import GlobalLengths
+from megatron_dcp.runtime.routing import (
     RoutedSamples,
     SampleSchema,
     route_by_all_gather,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh CPU machine (Python 3.11): creates .venv in the repository root with
 # torch 2.13.0 (CPU wheel), megatron-core 0.19.2 and megatron_dcp in editable mode, plus the test
-# tools. A second run only checks (≈1 s). Why each step (see shared/CPU_BACKEND.md):
+# tools and the plot extra. A second run only checks (≈1 s). Why each step (docs/cpu_backend.md):
 #   * torch first and pinned, so nothing later pulls a CUDA build;
 #   * megatron-core ≥0.17 declares Requires-Python ≥3.12 although its cp311 wheel works: install it
 #     with --ignore-requires-python --no-deps (its runtime deps, numpy and packaging, come first);
@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv
 VPY="$VENV/bin/python"
-TEST_DEPS=(pytest pytest-xdist pytest-timeout hypothesis matplotlib psutil typing_extensions einops pyyaml)
+TEST_DEPS=(pytest pytest-xdist pytest-timeout hypothesis psutil typing_extensions einops pyyaml)
+PLOT_DEPS=(matplotlib)  # the `plot` extra: the quick-start's plan picture, simulate --plot
 
 environment_ready() {
   # Run from / so that the source tree (and its egg-info) does not shadow the installed package.
@@ -29,6 +30,8 @@ for name in ("numpy", "pytest", "pytest-xdist", "pytest-timeout", "hypothesis", 
     md.version(name)
 url = json.loads(md.distribution("megatron-dcp").read_text("direct_url.json"))
 assert url["dir_info"].get("editable") and url["url"] == "file://" + sys.argv[1]
+scripts = {ep.name: ep.value for ep in md.entry_points(group="console_scripts")}
+assert scripts.get("megatron-dcp") == "megatron_dcp.tools.cli:main"  # re-install after moves
 PY
 }
 
@@ -50,7 +53,7 @@ echo "setup_env: installing into $VENV (torch, megatron-core, test tools, megatr
 pip_install torch==2.13.0
 pip_install numpy 'packaging>=24.2'
 pip_install --ignore-requires-python --no-deps megatron-core==0.19.2
-pip_install "${TEST_DEPS[@]}"
+pip_install "${TEST_DEPS[@]}" "${PLOT_DEPS[@]}"
 pip_install --no-deps -e .
 environment_ready || { echo "setup_env: the environment check still fails" >&2; exit 1; }
 echo "setup_env: $VENV is ready"

@@ -8,6 +8,11 @@ Hypothesis: ``ci`` (the default) is derandomized, so every CI run tries the same
 failure reproduces exactly; ``dev`` draws fresh random examples, five times as many, for local bug
 hunting: ``HYPOTHESIS_PROFILE=dev python -m pytest tests/unit``. Tests scale their explicit
 ``max_examples`` by the profile's ``max_examples / 100``.
+
+CUDA: the distributed harness forks its workers, and a process that has initialised CUDA cannot
+hand it to forked children. ``torch.cuda.is_available()`` initialises it unless
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (then it asks NVML), so that is set for the whole session
+before any test module runs its module-level ``is_available()`` check.
 """
 
 import os
@@ -18,6 +23,8 @@ from hypothesis import HealthCheck, settings
 
 TESTS_DIR = Path(__file__).resolve().parent
 LAYERS = ("unit", "distributed", "integration", "gpu")
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 settings.register_profile(
     "ci",

@@ -17,14 +17,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.adapters.split import DCPSettings, SplitBatch
+from megatron_dcp.adapters.split import SplitBatch
+from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import padded_length, unzigzag
 from megatron_dcp.scheduling import CPGroup, Plan
 
 
 @dataclass(frozen=True)
-class GroupLayout:
+class GroupPacking:
     """How a CP group packs its samples: the non-empty samples in packing order, their real
     lengths and the padded cumulative offsets (``cu_seqlens_padded`` of ``pack_samples``)."""
 
@@ -39,25 +40,25 @@ class GroupLayout:
         return self.cu_seqlens_padded[-1] // self.size
 
 
-def group_layout(plan: Plan, group: CPGroup, settings: DCPSettings) -> GroupLayout:
+def group_packing(plan: Plan, group: CPGroup, config: DCPConfig) -> GroupPacking:
     """The packing layout of ``group``, as ``pack_samples`` builds it: zero-length samples are
     dropped, and a group without tokens packs one all-padding sequence."""
-    multiple = settings.pad_multiple(group.size)
+    multiple = config.pad_multiple(group.size)
     kept = tuple(i for i in group.sample_ids if plan.seqlens[i] > 0)
     padded = [padded_length(plan.seqlens[i], multiple) for i in kept] or [multiple]
     offsets = [0]
     for length in padded:
         offsets.append(offsets[-1] + length)
     lengths = tuple(plan.seqlens[i] for i in kept)
-    return GroupLayout(group.size, kept, lengths, tuple(offsets))
+    return GroupPacking(group.size, kept, lengths, tuple(offsets))
 
 
-def local_token_counts(plan: Plan, settings: DCPSettings) -> list[list[int]]:
+def local_token_counts(plan: Plan, config: DCPConfig) -> list[list[int]]:
     """Tokens each position holds in each micro-batch: ``counts[position][microbatch]``."""
     counts: list[list[int]] = [[] for _ in range(plan.domain.size)]
     for microbatch in plan.microbatches:
         for group in microbatch.groups:
-            tokens = group_layout(plan, group, settings).local_tokens
+            tokens = group_packing(plan, group, config).local_tokens
             for position in group.ranks:
                 counts[position].append(tokens)
     return counts
@@ -77,33 +78,33 @@ def merge_outputs(
     if split.plan.num_microbatches == 0:
         return []
     local = torch.cat([out.detach().reshape(-1) for out in outputs])
-    counts = local_token_counts(split.plan, split.settings)
+    counts = local_token_counts(split.plan, split.config)
     sizes = [sum(count) * math.prod(feature) for count in counts]
-    assert local.numel() == sizes[split.position], "packing and group_layout disagree"
+    assert local.numel() == sizes[split.position], "packing and group_packing disagree"
     flat = _all_gather_flat(local, sizes, groups)
     parts = [part.view(-1, *feature) for part in flat]
-    return reassemble(split.plan, split.settings, parts, feature)
+    return reassemble(split.plan, split.config, parts, feature)
 
 
 def reassemble(
-    plan: Plan, settings: DCPSettings, parts: Sequence[torch.Tensor], feature: tuple[int, ...]
+    plan: Plan, config: DCPConfig, parts: Sequence[torch.Tensor], feature: tuple[int, ...]
 ) -> list[torch.Tensor]:
     """Per-sample tensors from every position's outputs (``parts[p]``: position ``p``'s
     micro-batch outputs concatenated, ``[T_p, *feature]``). Pure: no communication."""
-    counts = local_token_counts(plan, settings)
+    counts = local_token_counts(plan, config)
     pieces = [list(torch.split(part, count)) for part, count in zip(parts, counts)]
     template = parts[0]
     merged = [template.new_zeros((0, *feature)) for _ in plan.seqlens]
     for index, microbatch in enumerate(plan.microbatches):
         for group in microbatch.groups:
-            layout = group_layout(plan, group, settings)
+            layout = group_packing(plan, group, config)
             shares = [pieces[position][index] for position in group.ranks]
             _cut_samples(layout, shares, merged)
     return merged
 
 
 def _cut_samples(
-    layout: GroupLayout, shares: Sequence[torch.Tensor], merged: list[torch.Tensor]
+    layout: GroupPacking, shares: Sequence[torch.Tensor], merged: list[torch.Tensor]
 ) -> None:
     """Unzigzag one group's shares and store each sample's real tokens in ``merged``."""
     cu_padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int64)

@@ -2,7 +2,7 @@
 
 One mini-batch, on every rank of the DP×CP domain::
 
-    split = split_batch(samples, groups, settings)          # plan + this rank's micro-batches
+    split = split_batch(samples, groups, config)            # plan + this rank's micro-batches
     for mb in split.microbatches:                           # CP size may differ per micro-batch
         out = model(..., packed_seq_params=mb.packed_seq_params)
         token_mean_loss(out, mb, split).backward()           # scale: see docs/rl_adapter.md
@@ -18,9 +18,9 @@ from megatron_dcp.adapters.loss import (
     token_mean_loss,
     token_mean_scale,
 )
-from megatron_dcp.adapters.merge import GroupLayout, group_layout, merge_outputs, reassemble
+from megatron_dcp.adapters.merge import GroupPacking, group_packing, merge_outputs, reassemble
 from megatron_dcp.adapters.split import (
-    DCPSettings,
+    DCPConfig,
     RankMicroBatch,
     SplitBatch,
     global_num_tokens,
@@ -30,13 +30,13 @@ from megatron_dcp.adapters.split import (
 )
 
 __all__ = [
-    "DCPSettings",
+    "DCPConfig",
     "GradReduce",
-    "GroupLayout",
+    "GroupPacking",
     "RankMicroBatch",
     "SplitBatch",
     "global_num_tokens",
-    "group_layout",
+    "group_packing",
     "merge_outputs",
     "plan_batch",
     "reassemble",

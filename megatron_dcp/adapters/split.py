@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from megatron_dcp.integration.dcp import vpp_group_size
+from megatron_dcp.integration.config import DCPConfig, flag_error
 from megatron_dcp.integration.schedule import (
     Batch,
     as_sample,
@@ -22,61 +22,12 @@ from megatron_dcp.integration.schedule import (
     pack_group,
     packed_seq_params_of,
 )
-from megatron_dcp.integration.validation import validate_budget, validate_scheduler_name
 from megatron_dcp.runtime.groups import DCPGroups
-from megatron_dcp.runtime.packing import (
-    PackedMicroBatch,
-    padding_multiple,
-    zigzag_slice,
-)
-from megatron_dcp.scheduling import CostModel, CPGroup, Plan, build_scheduler
+from megatron_dcp.runtime.packing import PackedMicroBatch, zigzag_slice
+from megatron_dcp.scheduling import CPGroup, Plan
+from megatron_dcp.scheduling.errors import SchedulingError
 
 Sample = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DCPSettings:
-    """What the scheduler and the packing need besides the lengths and the domain.
-
-    ``cp_size`` is the static CP size of the model (megatron's ``context_parallel_size``): the
-    domain of N positions is ``N // cp_size`` DP replicas × ``cp_size``; only ``dp_balanced``
-    (static CP) uses the split, the DCP scheduler sees N ranks.
-    """
-
-    max_seqlen_per_dp_cp_rank: int
-    cp_size: int = 1
-    scheduler: str = "default_dynamic_cp"
-    min_cp_size: int = 1
-    microbatch_group_size_per_vp_stage: Optional[int] = None
-    tp_size: int = 1
-    sequence_parallel: bool = False
-    cost_model: Optional[CostModel] = None
-
-    def __post_init__(self) -> None:
-        validate_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
-        validate_scheduler_name(self.scheduler)
-        if self.cp_size < 1:
-            raise ValueError(f"cp_size={self.cp_size}: the static CP size must be >= 1")
-
-    @classmethod
-    def from_config(
-        cls, config: Any, max_seqlen_per_dp_cp_rank: int, **overrides: Any
-    ) -> "DCPSettings":
-        """Settings for a megatron model with TransformerConfig ``config`` (CP, TP, sequence
-        parallel and the VPP micro-batch group size are read from it)."""
-        values = dict(
-            max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
-            cp_size=config.context_parallel_size,
-            microbatch_group_size_per_vp_stage=vpp_group_size(config),
-            tp_size=config.tensor_model_parallel_size,
-            sequence_parallel=config.sequence_parallel,
-        )
-        values.update(overrides)
-        return cls(**values)
-
-    def pad_multiple(self, group_size: int) -> int:
-        """Every sequence of a CP group of ``group_size`` is padded to a multiple of this."""
-        return padding_multiple(group_size, self.tp_size, self.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -108,7 +59,7 @@ class SplitBatch:
     mini-batch's loss-carrying token count, each real token counted once."""
 
     plan: Plan
-    settings: DCPSettings
+    config: DCPConfig
     position: int
     microbatches: tuple[RankMicroBatch, ...]
     num_tokens: int
@@ -123,30 +74,19 @@ class SplitBatch:
         return sum(mb.packed.num_tokens for mb in self.microbatches)
 
 
-def plan_batch(seqlens: Sequence[int], domain_size: int, settings: DCPSettings) -> Plan:
+def plan_batch(seqlens: Sequence[int], domain_size: int, config: DCPConfig) -> Plan:
     """The plan of a mini-batch with ``seqlens`` over a domain of ``domain_size`` positions; a
     pure function of its inputs, so every rank computes the same plan without communication."""
-    if domain_size < 1 or domain_size % settings.cp_size:
-        raise ValueError(
-            f"domain_size={domain_size}: must be a positive multiple of the static "
-            f"cp_size={settings.cp_size} (DP×CP ranks); check DCPSettings.cp_size"
-        )
-    scheduler = build_scheduler(
-        settings.scheduler,
-        dp_size=domain_size // settings.cp_size,
-        cp_size=settings.cp_size,
-        max_seqlen_per_dp_cp_rank=settings.max_seqlen_per_dp_cp_rank,
-        min_cp_size=settings.min_cp_size,
-        microbatch_group_size_per_vp_stage=settings.microbatch_group_size_per_vp_stage,
-        cost_model=settings.cost_model,
-    )
-    return scheduler.schedule(seqlens)
+    try:
+        return config.build_scheduler(domain_size).schedule(seqlens)
+    except SchedulingError as error:
+        raise flag_error(error) from None
 
 
 def split_batch(
     samples: Sequence[Mapping[str, Any]],
     groups: DCPGroups,
-    settings: DCPSettings,
+    config: DCPConfig,
     plan: Optional[Plan] = None,
 ) -> SplitBatch:
     """This rank's micro-batches of a mini-batch that every rank holds in full.
@@ -158,13 +98,13 @@ def split_batch(
     """
     clean = [as_sample(sample) for sample in samples]
     seqlens = [int(sample["tokens"].numel()) for sample in clean]
-    plan = plan if plan is not None else plan_batch(seqlens, groups.domain_size, settings)
+    plan = plan if plan is not None else plan_batch(seqlens, groups.domain_size, config)
     _check_plan(plan, seqlens, groups.domain_size)
     microbatches = tuple(
-        _rank_microbatch(index, group, clean, groups, settings)
+        _rank_microbatch(index, group, clean, groups, config)
         for index, group in enumerate(_groups_of(plan, groups.position))
     )
-    return SplitBatch(plan, settings, groups.position, microbatches, global_num_tokens(clean))
+    return SplitBatch(plan, config, groups.position, microbatches, global_num_tokens(clean))
 
 
 def global_num_tokens(samples: Sequence[Mapping[str, Any]]) -> int:
@@ -219,10 +159,10 @@ def _rank_microbatch(
     group: CPGroup,
     samples: Sequence[Sample],
     groups: DCPGroups,
-    settings: DCPSettings,
+    config: DCPConfig,
 ) -> RankMicroBatch:
     """Pack one micro-batch's group samples and slice this rank's zigzag share."""
-    packed, cp_group = pack_group(group, samples, groups, settings.pad_multiple(group.size))
+    packed, cp_group = pack_group(group, samples, groups, config.pad_multiple(group.size))
     return RankMicroBatch(
         index=index,
         sample_ids=group.sample_ids,
@@ -245,5 +185,5 @@ def _check_plan(plan: Plan, seqlens: Sequence[int], domain_size: int) -> None:
     if plan.domain.size != domain_size:
         raise ValueError(
             f"plan is for a domain of {plan.domain.size} ranks, the DCP groups span {domain_size}; "
-            "plan it with plan_batch(seqlens, groups.domain_size, settings)"
+            "plan it with plan_batch(seqlens, groups.domain_size, config)"
         )

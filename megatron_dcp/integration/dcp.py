@@ -6,14 +6,9 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from megatron_dcp.integration.config import DCPConfig, check_model_config
 from megatron_dcp.integration.schedule import DCPForwardBackward
-from megatron_dcp.integration.validation import (
-    validate_budget,
-    validate_model_config,
-    validate_scheduler_name,
-)
 from megatron_dcp.runtime.groups import DCPGroups, domain_rank_lists_from
-from megatron_dcp.scheduling import CostModel, build_scheduler
 
 
 def create_dcp_groups(min_cp_size: int = 1) -> DCPGroups:
@@ -28,46 +23,25 @@ def create_dcp_groups(min_cp_size: int = 1) -> DCPGroups:
     return DCPGroups.create(domain_rank_lists_from(domain), min_cp_size, reuse=reuse)
 
 
-def vpp_group_size(config: Any) -> Optional[int]:
-    """The number the plan's micro-batch count must be a multiple of under interleaved VPP
-    (megatron's ``microbatch_group_size_per_vp_stage``); None without VPP."""
-    if getattr(config, "virtual_pipeline_model_parallel_size", None):
-        return config.microbatch_group_size_per_vp_stage
-    return None
-
-
 def build_forward_backward(
-    config: Any,
-    max_seqlen_per_dp_cp_rank: int,
-    scheduler: str = "default_dynamic_cp",
-    min_cp_size: int = 1,
-    cost_model: Optional[CostModel] = None,
+    model_config: Any,
+    config: DCPConfig,
     groups: Optional[DCPGroups] = None,
     forward_backward_func: Optional[Callable[..., Any]] = None,
 ) -> DCPForwardBackward:
-    """The DCP wrapper around ``get_forward_backward_func()`` for a model with ``config``
-    (its TransformerConfig: tp/pp/cp sizes, VPP micro-batch group size, sequence parallel)."""
+    """The DCP wrapper around ``get_forward_backward_func()`` for a model with ``model_config``
+    (its TransformerConfig), which must agree with ``config`` on the parallel sizes."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    validate_model_config(config)
-    validate_budget(
-        max_seqlen_per_dp_cp_rank, config.tensor_model_parallel_size, config.sequence_parallel
-    )
+    check_model_config(model_config)
+    config = config.with_model(model_config)
+    domain_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
-        scheduler=build_scheduler(
-            validate_scheduler_name(scheduler),
-            dp_size=parallel_state.get_data_parallel_world_size(),
-            cp_size=parallel_state.get_context_parallel_world_size(),
-            max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
-            min_cp_size=min_cp_size,
-            microbatch_group_size_per_vp_stage=vpp_group_size(config),
-            cost_model=cost_model,
-        ),
-        groups=groups or create_dcp_groups(min_cp_size),
+        config=config,
+        scheduler=config.build_scheduler(dist.get_world_size(domain_group)),
+        groups=groups or create_dcp_groups(config.min_cp_size),
         dp_group=parallel_state.get_data_parallel_group(),
-        domain_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        tp_size=config.tensor_model_parallel_size,
-        sequence_parallel=config.sequence_parallel,
+        domain_group=domain_group,
     )

@@ -24,18 +24,15 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
-from megatron_dcp.runtime.exchange import (
-    GlobalLengths,
-    RoutedSamples,
-    SampleSchema,
-    gather_lengths,
-    route_samples,
-)
+from megatron_dcp.integration.config import DCPConfig, flag_error
+from megatron_dcp.runtime.exchange import GlobalLengths, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
-from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, padding_multiple
+from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
+from megatron_dcp.runtime.routing import RoutedSamples, SampleSchema, route_samples
 from megatron_dcp.scheduling import CPGroup, Plan
-from megatron_dcp.scheduling.registry import Scheduler
+from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.metrics import plan_imbalance
+from megatron_dcp.scheduling.registry import Scheduler
 
 Sample = Dict[str, torch.Tensor]
 Batch = Dict[str, Any]
@@ -73,12 +70,11 @@ class DCPForwardBackward:
     """
 
     forward_backward_func: Callable[..., Any]
+    config: DCPConfig
     scheduler: Scheduler
     groups: DCPGroups
     dp_group: Any
     domain_group: Any
-    tp_size: int = 1
-    sequence_parallel: bool = False
     stats: List[BatchStats] = field(default_factory=list)
 
     def __call__(
@@ -109,13 +105,20 @@ class DCPForwardBackward:
         """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch."""
         lengths = gather_lengths([sample_length(s) for s in samples], self.dp_group)
         start = time.perf_counter()
-        plan = self.scheduler.schedule(lengths.seqlens)
+        plan = self.plan(lengths.seqlens)
         plan_time = time.perf_counter() - start
         routed = self.route(plan, lengths, samples)
         batches = [self.pack(plan, index, routed.samples) for index in range(plan.num_microbatches)]
         stats = batch_stats(plan, plan_time, batches, routed.bytes_received, self.scheduler)
         self.stats.append(stats)
         return batches
+
+    def plan(self, seqlens: Sequence[int]) -> Plan:
+        """Step 2: the plan of the global batch (the same on every rank); errors name flags."""
+        try:
+            return self.scheduler.schedule(seqlens)
+        except SchedulingError as error:
+            raise flag_error(error) from None
 
     def route(self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample]) -> RoutedSamples:
         """Step 3: send and receive samples so that this rank holds those of its groups."""
@@ -126,7 +129,7 @@ class DCPForwardBackward:
     def pack(self, plan: Plan, index: int, samples: Mapping[int, Sample]) -> Batch:
         """Step 4: this rank's share of micro-batch ``index``."""
         group = plan.microbatches[index].group_of(self.groups.position)
-        multiple = padding_multiple(group.size, self.tp_size, self.sequence_parallel)
+        multiple = self.config.pad_multiple(group.size)
         return batch_of(*pack_group(group, samples, self.groups, multiple))
 
 

@@ -1,89 +1,18 @@
-"""DCP inside ``megatron.training``: the command-line flags, their validation, and the hook that
-makes ``pretrain``'s training and evaluation loops run the DCP forward-backward wrapper."""
+"""DCP inside ``megatron.training``: the schedule that ``pretrain``'s training and evaluation loops
+run in place of megatron's forward-backward function, and its ``[DCP]`` log line."""
 
 from __future__ import annotations
 
-import argparse
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.integration.config import DCPConfig
+from megatron_dcp.integration.patches import apply_groups, use_schedule
 from megatron_dcp.integration.schedule import BatchStats, DCPForwardBackward
-from megatron_dcp.integration.validation import (
-    DCP_FLAG,
-    validate_budget,
-    validate_scheduler_name,
-)
-from megatron_dcp.scheduling.domain import MIN_CP_FLAG, is_power_of_two
-
-
-def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """megatron ``extra_args_provider``: the DCP flags (upstream's names) and the data flags."""
-    group = parser.add_argument_group("dynamic context parallelism (megatron_dcp)")
-    group.add_argument(
-        DCP_FLAG,
-        action="store_true",
-        help="Plan every global batch: one CP "
-        "group per sequence, balanced THD micro-batches (docs/usage.md).",
-    )
-    group.add_argument(
-        MIN_CP_FLAG,
-        type=int,
-        default=1,
-        help="Smallest CP group size DCP " "may use (a power of two).",
-    )
-    group.add_argument(
-        "--sequence-packing-scheduler",
-        default=None,
-        choices=("default_dynamic_cp", "dp_balanced"),
-        help="Scheduler of DCP "
-        "(default default_dynamic_cp); dp_balanced is the static-CP baseline.",
-    )
-    group.add_argument(
-        "--varlen-distribution",
-        default=None,
-        help="Mock variable-length " "data, e.g. 'lognormal:mean=1024,sigma=1.5,min=128,max=8192'.",
-    )
-    group.add_argument(
-        "--varlen-lengths-file",
-        default=None,
-        help="Mock data whose lengths " "are read from this file (one per line).",
-    )
-    return parser
-
-
-@dataclass(frozen=True)
-class DCPSettings:
-    """The DCP part of the arguments, validated."""
-
-    scheduler: str
-    max_seqlen_per_dp_cp_rank: int
-    min_cp_size: int
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "DCPSettings":
-        """Raise a ValueError naming the flag for every setting DCP cannot run with."""
-        if not is_power_of_two(args.min_dynamic_context_parallel_size):
-            raise ValueError(
-                f"{MIN_CP_FLAG}={args.min_dynamic_context_parallel_size}: must be a power of two "
-                "(1, 2, 4, ...) no larger than data-parallel size × context-parallel size."
-            )
-        if args.micro_batch_size != 1:
-            raise ValueError(
-                f"--micro-batch-size={args.micro_batch_size}: {DCP_FLAG} forms the micro-batches "
-                "itself; use --micro-batch-size 1 (--global-batch-size counts sequences)."
-            )
-        budget = validate_budget(
-            args.max_seqlen_per_dp_cp_rank, args.tensor_model_parallel_size, args.sequence_parallel
-        )
-        return cls(
-            scheduler=validate_scheduler_name(args.sequence_packing_scheduler),
-            max_seqlen_per_dp_cp_rank=budget,
-            min_cp_size=args.min_dynamic_context_parallel_size,
-        )
+from megatron_dcp.scheduling.metrics import imbalance as max_over_mean
 
 
 class DCPSchedule:
@@ -93,13 +22,13 @@ class DCPSchedule:
 
     def __init__(
         self,
-        settings: DCPSettings,
+        config: DCPConfig,
         log: Callable[[str], None],
         iteration: Optional[Callable[[], int]] = None,
     ) -> None:
         """``iteration`` returns the number of the training iteration being run (megatron's,
         which continues after a resume); default: count the training calls."""
-        self.settings, self.log = settings, log
+        self.config, self.log = config, log
         self.wrapper: Optional[DCPForwardBackward] = None
         self.calls = 0
         self.iteration = iteration or (lambda: self.calls)
@@ -121,19 +50,14 @@ class DCPSchedule:
         from megatron_dcp.integration.dcp import build_forward_backward
 
         chunks = model if isinstance(model, list) else [model]
-        self.wrapper = build_forward_backward(
-            get_model_config(chunks[0]),
-            self.settings.max_seqlen_per_dp_cp_rank,
-            self.settings.scheduler,
-            self.settings.min_cp_size,
-        )
+        self.wrapper = build_forward_backward(get_model_config(chunks[0]), self.config)
         self.log(" " + self.wrapper.groups.report())
         return self.wrapper
 
     def describe(self, stats: BatchStats, elapsed_s: float, busy_s: float) -> str:
         """One log line; the measured imbalance is max/mean over the domain of the time each rank
         spent in forward passes (a collective over the DP×CP group)."""
-        measured = imbalance(busy_s, self.wrapper.domain_group)
+        measured = measured_imbalance(busy_s, self.wrapper.domain_group)
         sizes = " ".join(f"{size}:{count}" for size, count in stats.cp_size_histogram.items())
         return (
             f" [DCP] iteration {self.iteration():8d} | micro-batches: {stats.num_microbatches} | "
@@ -158,20 +82,19 @@ class TimedForwardStep:
             self.busy_s += time.perf_counter() - start
 
 
-def imbalance(busy_s: float, group: Any) -> float:
+def measured_imbalance(busy_s: float, group: Any) -> float:
     """max/mean of ``busy_s`` over ``group``."""
     values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(group))]
     dist.all_gather(values, torch.tensor([busy_s], dtype=torch.float64), group=group)
-    times: List[float] = [value.item() for value in values]
-    mean = sum(times) / len(times)
-    return max(times) / mean if mean > 0 else 1.0
+    return max_over_mean([value.item() for value in values])
 
 
-def install_dcp_schedule(settings: DCPSettings, log: Callable[[str], None]) -> DCPSchedule:
-    """Make ``megatron.training``'s loops use DCP: its ``get_forward_backward_func`` (imported
-    into ``megatron.training.training``) returns one shared :class:`DCPSchedule`."""
-    from megatron.training import get_args, training
+def install_dcp_schedule(config: DCPConfig, log: Callable[[str], None]) -> DCPSchedule:
+    """Make ``megatron.training``'s loops run one shared :class:`DCPSchedule` (through the
+    ``dcp_schedule`` entry of the patch table)."""
+    from megatron.training import get_args
 
-    schedule = DCPSchedule(settings, log, iteration=lambda: get_args().curr_iteration + 1)
-    training.get_forward_backward_func = lambda *args, **kwargs: schedule
+    schedule = DCPSchedule(config, log, iteration=lambda: get_args().curr_iteration + 1)
+    apply_groups(("training",))
+    use_schedule(schedule)
     return schedule

@@ -1,1 +1,1 @@
-"""DCP runtime: torch + torch.distributed, no megatron internals (DESIGN.md, "Layers")."""
+"""DCP runtime: torch + torch.distributed, no megatron internals (docs/architecture.md)."""

@@ -147,9 +147,7 @@ def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
 
 def _padding_only(pad_multiple: int) -> dict[str, torch.Tensor]:
     """The stand-in sequence of an empty group: all padding, no loss."""
-    return _pad_sample(
-        {name: torch.zeros(0) for name in FIELDS[:3]}, length=0, padded=pad_multiple
-    )
+    return _pad_sample({name: torch.zeros(0) for name in FIELDS[:3]}, length=0, padded=pad_multiple)
 
 
 def pack_samples(

@@ -15,34 +15,37 @@ what costs time is imbalance *inside* a micro-batch and CP overhead. Steps (each
                            lightest first to top up, takes a fresh block of the smallest CP size
                            whose cost fits under the level, or joins the least-loaded group where
                            it fits (any size ≥ its minimum: a short sequence may get a larger
-                           group). The trial with the best ``efficiency`` wins.
+                           group). The trial (``build_trial``, placing with
+                           ``microbatch_builder.MicroBatchBuilder``) with the best ``efficiency``
+                           wins.
 4. ``fill_empty_ranks``  – no rank idle: a free block takes a sample from a group holding several,
-                           or merges with its neighbours into the parent block.
+                           or merges with its neighbours into the parent block (``row_refinement``).
 5. ``rebalance_row``     – bounded refinement: move samples out of the most-loaded group into
-                           lighter ones while that lowers the micro-batch's maximum.
+                           lighter ones while that lowers the micro-batch's maximum
+                           (``row_refinement``).
 6. ``align_to_vpp``      – split micro-batches until the count is a multiple of the VPP group size
                            (or fall back to whole-domain micro-batches when there are too many).
 
 Batches of at most ``SEARCH_SAMPLES`` samples also try step 2 with every micro-batch formed from
-the whole pool, and keep the better plan (``plan_rank``). Cost: each micro-batch scans its pool
-once per trial (a pass stops after ``FAIL_LIMIT`` consecutive misses once no rank is free), with
-one heap of groups per CP size: O(K · T · n log N) for K micro-batches, T ≤ ``TRIALS`` trials
-and n samples.
+the whole pool, and keep the better plan (``plan_rank``, by ``draft_critical_path``). Cost: each
+micro-batch scans its pool once per trial (``MicroBatchBuilder`` stops a pass after ``FAIL_LIMIT``
+consecutive misses once no rank is free), with one heap of groups per CP size: O(K · T · n log N)
+for K micro-batches, T ≤ ``TRIALS`` trials and n samples. Every step takes the shared
+``dynamic_cp_context.Context`` (domain, cost model, memoised costs).
 """
 
 from __future__ import annotations
 
-import heapq
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.balance import lpt_partition
-from megatron_dcp.scheduling.buddy import BuddyAllocator, contains, parent_block
-from megatron_dcp.scheduling.cost import CostModel
-from megatron_dcp.scheduling.domain import Block, Domain
 from megatron_dcp.scheduling.draft import GroupDraft, Item, freeze_microbatch
-from megatron_dcp.scheduling.plan import MicroBatch
+from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
 from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
+from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.registry import Scheduler
+from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
 
 # A sample is heavy (opens a micro-batch of its own level) when it costs more per rank than
 # HEAVY × the mean level and reaching that level would cost it HEAVY_WASTE more CP overhead.
@@ -53,83 +56,12 @@ TRIALS = 3
 GOOD_EFFICIENCY = 0.965
 # Trials whose efficiencies differ by at most this much tie (then fewer leftovers win).
 SCORE_TIE = 1e-4
-# A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free).
-FAIL_LIMIT = 48
-# Groups skipped per CP size when the least-loaded ones lack token room for a sample.
-SKIP_LIMIT = 8
 # The last micro-batch may exceed its level by this fraction to save one more micro-batch.
 LAST_SLACK = 0.02
-# rebalance_row: moves per micro-batch, samples of the top group and partners examined.
-REBALANCE_STEPS = 8
-REBALANCE_ITEMS = 12
-REBALANCE_PARTNERS = 4
 # Batches of at most this many samples also try the all-levels variant of ``plan_rows``.
 SEARCH_SAMPLES = 256
 # A plan within this factor of the lower bound is good enough: then fewer micro-batches win.
 GOOD_PLAN = 1.02
-EPS = 1e-9
-
-Row = List[GroupDraft]
-HeapEntry = Tuple[float, int, GroupDraft]
-
-
-class CostTable(dict):
-    """Per-rank costs keyed by (length, CP size), computed on first use (the hot path)."""
-
-    def __init__(self, cost: CostModel) -> None:
-        super().__init__()
-        self.cost = cost
-
-    def __missing__(self, key: Tuple[int, int]) -> float:
-        value = self[key] = self.cost.per_rank(*key)
-        return value
-
-
-class Context:
-    """What every step needs: the domain, the cost model, and memoised costs: ``per_rank[(L,
-    c)]`` and ``work[L]`` (least total work of a length-L sample, filled by :meth:`min_work`)."""
-
-    def __init__(self, domain: Domain, cost: CostModel) -> None:
-        self.domain, self.cost = domain, cost
-        self.per_rank = CostTable(cost)
-        self.work: Dict[int, float] = {}
-        self._sizes: Dict[int, Tuple[int, ...]] = {}
-        self._openable: Dict[int, bool] = {}
-
-    def load(self, seqlen: int, size: int) -> float:
-        """Per-rank cost of a sequence of ``seqlen`` tokens on ``size`` ranks."""
-        return self.per_rank[seqlen, size]
-
-    def min_work(self, item: Item) -> float:
-        """Least total cost of ``item``: at its minimum CP size (which its length determines)."""
-        value = self.work.get(item.seqlen)
-        if value is None:
-            value = self.work[item.seqlen] = self.per_rank[item.seqlen, item.min_cp] * item.min_cp
-        return value
-
-    def works(self, items: Sequence[Item]) -> Dict[int, float]:
-        """``work``, filled for ``items`` (so hot loops may index it by length)."""
-        for item in items:
-            if item.seqlen not in self.work:
-                self.min_work(item)
-        return self.work
-
-    def sizes_from(self, min_cp: int) -> Tuple[int, ...]:
-        """The CP group sizes ≥ ``min_cp``, ascending."""
-        sizes = self._sizes.get(min_cp)
-        if sizes is None:
-            sizes = self._sizes[min_cp] = tuple(s for s in self.domain.group_sizes if s >= min_cp)
-        return sizes
-
-    def openable(self, size: int) -> bool:
-        """True when an empty micro-batch can hold a group of ``size`` ranks."""
-        if size not in self._openable:
-            self._openable[size] = BuddyAllocator(self.domain).can_allocate(size)
-        return self._openable[size]
-
-    def room(self, group: GroupDraft) -> int:
-        """Tokens ``group`` can still take within the budget."""
-        return group.size * self.domain.budget - group.tokens
 
 
 class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
@@ -152,13 +84,13 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
 def plan_rank(rows: Sequence[Row], bound: float) -> Tuple[int, float, float]:
     """Sort key of candidate plans: those within ``GOOD_PLAN`` × the lower bound first, fewest
     micro-batches first; then the shortest critical path."""
-    path = critical_path(rows)
+    path = draft_critical_path(rows)
     if path <= GOOD_PLAN * bound:
         return (0, len(rows), path)
     return (1, path, len(rows))
 
 
-def critical_path(rows: Sequence[Row]) -> float:
+def draft_critical_path(rows: Sequence[Row]) -> float:
     """Σ over micro-batches of the most-loaded group's per-rank cost."""
     return sum(max(group.load for group in row) for row in rows)
 
@@ -232,7 +164,7 @@ def next_hdp_group(ctx: Context, pool: Sequence[Item]) -> Tuple[Row, List[Item]]
     last = sum(item.seqlen for item in pool) <= ctx.domain.size * ctx.domain.budget
     best: Optional[Tuple[float, Row, List[Item]]] = None
     for size in trial_sizes(ctx, pool[0], floor):
-        groups, leftovers = lay_out(ctx, pool, size, floor, last)
+        groups, leftovers = build_trial(ctx, pool, size, floor, last)
         score = efficiency(ctx, groups)
         if best is None or better_trial((score, len(leftovers)), (best[0], len(best[2]))):
             best = (score, groups, leftovers)
@@ -251,30 +183,30 @@ def better_trial(new: Tuple[float, int], old: Tuple[float, int]) -> bool:
     return new[0] > old[0]
 
 
-def lay_out(
+def build_trial(
     ctx: Context, pool: Sequence[Item], size: int, floor: float, last: bool
 ) -> Tuple[Row, List[Item]]:
     """One trial of :func:`next_hdp_group`: ``pool[0]`` opens on ``size`` ranks, the rest fills up
     to the level (the ``last`` micro-batch may absorb what is left), and idle ranks are filled."""
-    layout = Layout(ctx)
-    layout.open(pool[0], size, floor)
-    leftovers = layout.fill_from(pool[1:])
+    builder = MicroBatchBuilder(ctx)
+    builder.open(pool[0], size, floor)
+    leftovers = builder.fill_from(pool[1:])
     if last and leftovers:
-        leftovers = absorb_leftovers(ctx, layout, leftovers)
-    fill_empty_ranks(ctx, layout.groups, layout.free, leftovers)
-    return layout.groups, leftovers
+        leftovers = absorb_leftovers(ctx, builder, leftovers)
+    fill_empty_ranks(ctx, builder.groups, builder.free, leftovers)
+    return builder.groups, leftovers
 
 
-def absorb_leftovers(ctx: Context, layout: "Layout", leftovers: List[Item]) -> List[Item]:
+def absorb_leftovers(ctx: Context, builder: MicroBatchBuilder, leftovers: List[Item]) -> List[Item]:
     """The last micro-batch places its leftovers above the level when that costs less than the
     extra micro-batch they would need (their work / N), give or take ``LAST_SLACK`` of the peak:
     one micro-batch fewer is worth that much. Returns the samples still left."""
-    peak = max(group.load for group in layout.groups)
+    peak = max(group.load for group in builder.groups)
     limit = peak * (1 + LAST_SLACK) + sum(map(ctx.min_work, leftovers)) / ctx.domain.size
-    layout.level, layout.journal = float("inf"), []
-    rest = layout.fill_from(leftovers)
-    if max(group.load for group in layout.groups) > limit:
-        layout.undo()
+    builder.level, builder.journal = float("inf"), []
+    rest = builder.fill_from(leftovers)
+    if max(group.load for group in builder.groups) > limit:
+        builder.undo()
         return leftovers
     return rest
 
@@ -313,239 +245,6 @@ def efficiency(ctx: Context, row: Row) -> float:
     work = ctx.work  # filled: every sample was ordered by heaviest_first or min_work first
     useful = sum(work.get(item.seqlen) or ctx.min_work(item) for g in row for item in g.items)
     return useful / (ctx.domain.size * peak)
-
-
-class Layout:
-    """One micro-batch under construction: its groups (a heap of them per CP size, least-loaded
-    on top), its free blocks, and its level (the per-rank cost no sample may push a group past)."""
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self.free = BuddyAllocator(ctx.domain)
-        self.groups: Row = []
-        self.heaps: Dict[int, List[HeapEntry]] = {}
-        self.sizes: List[int] = []  # the keys of ``heaps``, ascending
-        self.level = 0.0
-        self.shortest = 0  # the shortest sample still to place: groups with less room are full
-        # Placements (group, sample, load, fresh) recorded for :meth:`undo` when not None.
-        self.journal: Optional[List[Tuple[GroupDraft, Item, float, bool]]] = None
-
-    def open(self, item: Item, size: int, floor: float) -> None:
-        """Place the first sample on a fresh group of ``size`` ranks; the level is its cost or
-        ``floor``, whichever is higher."""
-        self._add_group(item, size)
-        self.level = max(self.groups[0].load, floor) * (1 + EPS)
-
-    def fill_from(self, pool: Sequence[Item]) -> List[Item]:
-        """Place what fits of ``pool`` (heaviest first), then top up lightest first; returns the
-        samples not placed, in pool order."""
-        taken = [False] * len(pool)
-        self.shortest = min((item.seqlen for item in pool), default=0)
-        resume = self._pass(pool, range(len(pool)), taken)
-        self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
-        return [item for item, was_taken in zip(pool, taken) if not was_taken]
-
-    def _pass(self, pool: Sequence[Item], order: range, taken: List[bool]) -> int:
-        """Try the samples of ``pool`` in ``order``; returns the first index not tried (a pass
-        ends after ``FAIL_LIMIT`` consecutive misses once no rank is free)."""
-        misses = 0
-        for index in order:
-            if taken[index]:
-                continue
-            if self.place(pool[index]):
-                taken[index], misses = True, 0
-            elif not self.free.free:
-                misses += 1
-                if misses >= FAIL_LIMIT:
-                    return index + 1
-        return order.stop if order.step > 0 else len(pool)
-
-    def place(self, item: Item) -> bool:
-        """Put ``item`` on a fresh block of the smallest size whose cost fits under the level,
-        else on the least-loaded group where it fits; False when it fits nowhere."""
-        return self._place_fresh(item) or self._join(item)
-
-    def undo(self) -> None:
-        """Take back the placements recorded in the journal (the heaps are not kept: call only
-        when no more samples will be placed)."""
-        for group, item, load, fresh in reversed(self.journal or []):
-            group.pop(item, load)
-            if fresh:
-                self.groups.remove(group)
-                self.free.free.append(group.block)
-        self.journal = None
-
-    def _place_fresh(self, item: Item) -> bool:
-        if not self.free.free:
-            return False
-        per_rank = self.ctx.per_rank
-        for size in self.ctx.sizes_from(item.min_cp):
-            if per_rank[item.seqlen, size] <= self.level and self.free.can_allocate(size):
-                self._add_group(item, size)
-                return True
-        return False
-
-    def _join(self, item: Item) -> bool:
-        """Add ``item`` to the group where its resulting load is least and within the level."""
-        best_total, best_size = self.level, 0
-        skipped: List[Tuple[int, HeapEntry]] = []
-        seqlen, budget, per_rank = item.seqlen, self.ctx.domain.budget, self.ctx.per_rank
-        for size in self.sizes:
-            heap = self.heaps[size]
-            if size < item.min_cp or not heap:
-                continue
-            if heap[0][2].tokens > size * budget - seqlen:
-                self._skip_full(heap, size, seqlen, skipped)
-                if not heap or heap[0][2].tokens > size * budget - seqlen:
-                    continue
-            total = heap[0][0] + per_rank[seqlen, size]
-            if total < best_total or (total == best_total and not best_size):
-                best_total, best_size = total, size
-        if best_size:
-            heap = self.heaps[best_size]
-            group = heapq.heappop(heap)[2]
-            group.push(item, per_rank[seqlen, best_size])
-            heapq.heappush(heap, (group.load, group.block.start, group))
-            if self.journal is not None:
-                self.journal.append((group, item, per_rank[seqlen, best_size], False))
-        for size, entry in skipped:  # groups too full for any sample of the pool leave the heap
-            if size * budget - entry[2].tokens >= self.shortest:
-                heapq.heappush(self.heaps[size], entry)
-        return bool(best_size)
-
-    def _skip_full(
-        self, heap: List[HeapEntry], size: int, seqlen: int, skipped: List[Tuple[int, HeapEntry]]
-    ) -> None:
-        """Pop (into ``skipped``) up to ``SKIP_LIMIT`` least-loaded groups without token room."""
-        limit = size * self.ctx.domain.budget - seqlen
-        for _ in range(SKIP_LIMIT):
-            if not heap or heap[0][2].tokens <= limit:
-                return
-            skipped.append((size, heapq.heappop(heap)))
-
-    def _add_group(self, item: Item, size: int) -> None:
-        block = self.free.allocate(size)
-        assert block is not None, f"no free block of {size} ranks"
-        group = GroupDraft(block)
-        group.push(item, self.ctx.load(item.seqlen, size))
-        self.groups.append(group)
-        if self.journal is not None:
-            self.journal.append((group, item, group.load, True))
-        if size not in self.heaps:
-            self.heaps[size] = []
-            self.sizes = sorted(self.heaps)
-        heapq.heappush(self.heaps[size], (group.load, block.start, group))
-
-
-def fill_empty_ranks(
-    ctx: Context, groups: Row, free: BuddyAllocator, spare: Optional[List[Item]] = None
-) -> None:
-    """Step 4: no rank may be idle. Each free block (smallest first) takes the sample whose move
-    from a group holding several leaves the lowest load, else the lightest fitting sample of
-    ``spare`` (removed from it), else it and its neighbouring groups merge into one group over
-    the parent block."""
-    while free.free:
-        block = min(free.free, key=lambda b: (b.size, b.start))
-        free.free.remove(block)
-        item = take_donor(ctx, groups, block) or take_spare(ctx, spare or [], block)
-        if item is not None:
-            group = GroupDraft(block)
-            group.push(item, ctx.load(item.seqlen, block.size))
-            groups.append(group)
-        else:
-            merge_into_parent(ctx, groups, free, block)
-
-
-def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:
-    """Remove and return the last (lightest, for a heaviest-first list) sample of ``spare`` that
-    fits ``block``; None when none does."""
-    for index in range(len(spare) - 1, -1, -1):
-        item = spare[index]
-        if item.min_cp <= block.size and item.seqlen <= block.size * ctx.domain.budget:
-            return spare.pop(index)
-    return None
-
-
-def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
-    """Remove and return the sample whose move into ``block`` leaves the smallest maximum of the
-    two loads, among groups holding several samples; None when no group can spare one."""
-    best: Optional[Tuple[Tuple[float, int, int], GroupDraft, Item]] = None
-    for group in groups:
-        if len(group.items) < 2:
-            continue
-        for item in group.items:
-            if item.min_cp > block.size or item.seqlen > block.size * ctx.domain.budget:
-                continue
-            remaining = group.load - ctx.load(item.seqlen, group.size)
-            peak = max(remaining, ctx.load(item.seqlen, block.size))
-            key = (peak, group.block.start, item.sample_id)
-            if best is None or key < best[0]:
-                best = (key, group, item)
-    if best is None:
-        return None
-    _, group, item = best
-    group.pop(item, ctx.load(item.seqlen, group.size))
-    return item
-
-
-def merge_into_parent(ctx: Context, groups: Row, free: BuddyAllocator, block: Block) -> None:
-    """Replace ``block``'s parent subtree (groups and free blocks) by one group over the parent,
-    or by one free block when the subtree holds no group (buddies freed separately)."""
-    parent = parent_block(ctx.domain, block)
-    inside = sorted((g for g in groups if contains(parent, g.block)), key=lambda g: g.block.start)
-    free.free = [b for b in free.free if not contains(parent, b)]
-    if not inside:
-        free.free.append(parent)
-        return
-    merged = GroupDraft(parent)
-    for group in inside:
-        groups.remove(group)
-        for item in group.items:
-            merged.push(item, ctx.load(item.seqlen, parent.size))
-    groups.append(merged)
-
-
-def rebalance_row(ctx: Context, row: Row) -> None:
-    """Step 5: move a sample from the most-loaded group to one of the lightest groups while that
-    lowers the larger of the two loads (at most ``REBALANCE_STEPS`` moves)."""
-    for _ in range(REBALANCE_STEPS):
-        ordered = sorted(row, key=lambda g: (g.load, g.block.start))
-        top, partners = ordered[-1], ordered[:REBALANCE_PARTNERS]
-        move = best_move(ctx, top, [g for g in partners if g is not top])
-        if move is None:
-            return
-        item, partner = move
-        top.pop(item, ctx.load(item.seqlen, top.size))
-        partner.push(item, ctx.load(item.seqlen, partner.size))
-
-
-def best_move(
-    ctx: Context, top: GroupDraft, partners: Sequence[GroupDraft]
-) -> Optional[Tuple[Item, GroupDraft]]:
-    """The (sample of ``top``, partner) move that lowers max(top, partner) the most; None if none
-    does. ``top`` keeps at least one sample; at most ``REBALANCE_ITEMS`` samples are examined."""
-    if len(top.items) < 2:
-        return None
-    best, best_peak = None, top.load * (1 - EPS)
-    for item in spread(top.items, REBALANCE_ITEMS):
-        for partner in partners:
-            if item.min_cp > partner.size or ctx.room(partner) < item.seqlen:
-                continue
-            peak = max(
-                top.load - ctx.load(item.seqlen, top.size),
-                partner.load + ctx.load(item.seqlen, partner.size),
-            )
-            if peak < best_peak:
-                best, best_peak = (item, partner), peak
-    return best
-
-
-def spread(items: Sequence[Item], count: int) -> List[Item]:
-    """At most ``count`` of ``items``, evenly spaced in their current order."""
-    if len(items) <= count:
-        return list(items)
-    step = len(items) / count
-    return [items[int(k * step)] for k in range(count)]
 
 
 def align_to_vpp(

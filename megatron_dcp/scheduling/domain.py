@@ -11,7 +11,6 @@ from typing import Iterable, Optional, Tuple
 from megatron_dcp.scheduling.errors import SchedulingError
 
 
-
 def is_power_of_two(value: int) -> bool:
     """True for 1, 2, 4, ...; False for zero and negatives."""
     return value > 0 and value & (value - 1) == 0

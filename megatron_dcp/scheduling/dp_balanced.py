@@ -7,8 +7,8 @@ from typing import List, Optional, Sequence
 from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partition
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
-from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.registry import Scheduler
 
 

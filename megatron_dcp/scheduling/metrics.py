@@ -50,13 +50,10 @@ def fluid_lower_bound(seqlens: Sequence[int], domain: Domain, cost: CostModel) -
     return total / domain.size
 
 
-
-
 def imbalance(loads: Sequence[float]) -> float:
     """max/mean of per-rank loads (1.0 is perfect balance; 1.0 as well when nothing is loaded)."""
     mean = sum(loads) / len(loads) if loads else 0.0
     return max(loads) / mean if mean > 0 else 1.0
-
 
 
 def plan_imbalance(plan: Plan, cost: CostModel) -> float:

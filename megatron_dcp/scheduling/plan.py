@@ -10,7 +10,7 @@ from megatron_dcp.scheduling.domain import Block, Domain
 
 
 class InvalidPlanError(ValueError):
-    """A plan violates one of the invariants listed in DESIGN.md."""
+    """A plan violates one of the plan invariants (docs/architecture.md, "Plan invariants")."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,9 @@ class Plan:
 
     def cp_size_histogram(self) -> Dict[int, int]:
         """Number of samples run at each CP size."""
-        counts = Counter(g.size for mb in self.microbatches for g in mb.groups for _ in g.sample_ids)
+        counts = Counter(
+            g.size for mb in self.microbatches for g in mb.groups for _ in g.sample_ids
+        )
         return dict(sorted(counts.items()))
 
     def validate(self) -> "Plan":

@@ -52,7 +52,9 @@ class Scheduler:
         """Plan one global batch; sample id = index in ``seqlens``. Deterministic in its input."""
         lengths = self.domain.check_seqlens(seqlens)
         microbatches = self._schedule(lengths) if lengths else []
-        plan = Plan(lengths, self.domain, tuple(microbatches), self.microbatch_group_size_per_vp_stage)
+        plan = Plan(
+            lengths, self.domain, tuple(microbatches), self.microbatch_group_size_per_vp_stage
+        )
         return plan.validate()
 
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.dcp import build_forward_backward
 from megatron_dcp.integration.gpt_step import forward_step
 from megatron_dcp.integration.patches import apply_patches
@@ -52,7 +53,10 @@ def dcp_training_step(
     init_megatron(tp, pp, cp, vpp, seed=options.seed)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
-    wrapper = build_forward_backward(chunks[0].config, budget, scheduler, min_cp_size)
+    dcp = DCPConfig.for_model(
+        chunks[0].config, budget, scheduler=scheduler, min_cp_size=min_cp_size
+    )
+    wrapper = build_forward_backward(chunks[0].config, dcp)
     dp_rank = parallel_state.get_data_parallel_rank()
     share = len(samples) // parallel_state.get_data_parallel_world_size()
     local = list(samples[dp_rank * share : (dp_rank + 1) * share])
@@ -148,7 +152,9 @@ def dcp_training_run(
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, options=options)
     models, optimizer = with_ddp_and_adam(chunks)
-    wrapper = build_forward_backward(chunks[0].config, budget)
+    wrapper = build_forward_backward(
+        chunks[0].config, DCPConfig.for_model(chunks[0].config, budget)
+    )
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     for samples in batches:

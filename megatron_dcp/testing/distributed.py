@@ -1,9 +1,14 @@
-"""Run one function on ``world_size`` fork-started CPU workers joined by a gloo process group.
+"""Run one function on ``world_size`` fork-started workers joined by a gloo or NCCL process group.
 
 Why fork: workers inherit the parent's imports (megatron takes 6-8 s to import; spawn would pay
 that per rank). Why polling: a gloo failure aborts the worker (SIGABRT) instead of raising, and
 its peers then block in the next collective until their timeout, so the parent watches every
 child's exit code and tears the whole job down as soon as one dies, fails, or the deadline passes.
+
+The backend is a parameter: gloo for the CPU tests, NCCL (one GPU per rank) for the GPU tests.
+CUDA and fork: a process that has initialised CUDA cannot hand it to forked children, so the
+parent must not touch CUDA. ``torch.cuda.is_available()`` initialises the driver (``cuInit``);
+the harness asks ``torch.cuda.device_count()`` instead, which reads NVML and leaves CUDA alone.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+BACKENDS = ("gloo", "nccl")
 POLL_SECONDS = 0.02
 # After a rank raises, how long to watch for a peer's death, the likelier root cause.
 DEATH_GRACE_SECONDS = 1.0
@@ -36,6 +42,7 @@ class DistributedTestError(RuntimeError):
 class _Job:
     fn: Callable[..., Any]
     world_size: int
+    backend: str
     store_path: str
     collective_timeout_s: float
     args: tuple
@@ -46,21 +53,60 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
+    backend: Optional[str] = None,
     timeout_s: float = 180.0,
     collective_timeout_s: float = 60.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank.
 
-    Each worker has a gloo default group (FileStore in a temp dir), one torch thread, and always
-    tears down megatron's model-parallel state and the process group. Results travel back
-    pickled (tensors included). Raises ``DistributedTestError`` with the failing rank's traceback.
+    ``backend``: ``"gloo"`` or ``"nccl"``; None picks NCCL when a CUDA GPU is visible, else gloo.
+    With NCCL, rank ``r`` runs on GPU ``r % torch.cuda.device_count()``. Each worker has that
+    default group (FileStore in a temp dir), one torch thread, and always tears down megatron's
+    model-parallel state and the process group. Results travel back pickled (tensors included;
+    move CUDA tensors to the CPU first). Raises ``ValueError`` before any worker starts on a bad
+    argument, ``DistributedTestError`` with the failing rank's traceback.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    backend = resolve_backend(backend)
     with tempfile.TemporaryDirectory(prefix="dcp_dist_") as tmp:
-        job = _Job(fn, world_size, os.path.join(tmp, "store"), collective_timeout_s, args, kwargs)
+        store = os.path.join(tmp, "store")
+        job = _Job(fn, world_size, backend, store, collective_timeout_s, args, kwargs)
         return _run_job(job, timeout_s)
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA GPUs, without initialising CUDA in this process (NVML; module docstring)."""
+    return torch.cuda.device_count()
+
+
+def resolve_backend(backend: Optional[str]) -> str:
+    """The process-group backend to use: ``backend`` checked, or the default for this machine.
+
+    Checked here, in the parent, so that a wrong value is one clear error instead of every
+    worker failing in ``init_process_group``.
+    """
+    if backend is None:
+        return "nccl" if cuda_device_count() > 0 else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: run_distributed supports {BACKENDS}")
+    if backend == "nccl":
+        _check_nccl_usable()
+    return backend
+
+
+def _check_nccl_usable() -> None:
+    """NCCL needs a GPU, a torch built with NCCL, and CUDA not yet initialised in the parent
+    (forked workers could not use it: "Cannot re-initialize CUDA in forked subprocess")."""
+    if cuda_device_count() == 0 or not dist.is_nccl_available():
+        raise ValueError("backend='nccl' needs a CUDA GPU and a torch built with NCCL; use 'gloo'")
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "backend='nccl': CUDA is already initialised in this process, so forked workers "
+            "cannot use it; keep CUDA calls (torch.cuda.is_available() included) out of the "
+            "parent and do the GPU work inside the workers"
+        )
 
 
 def _run_job(job: _Job, timeout_s: float) -> list[Any]:
@@ -147,7 +193,8 @@ def _terminate(workers: list) -> None:
 
 
 def _worker_main(job: _Job, rank: int, sender: Connection) -> None:
-    """Body of one worker: set up gloo, run the function, report, tear down, exit hard."""
+    """Body of one worker: set up the process group, run the function, report, tear down, exit
+    hard."""
     code = 0
     try:
         torch.set_num_threads(1)
@@ -171,10 +218,14 @@ def _worker_main(job: _Job, rank: int, sender: Connection) -> None:
 
 
 def _init_process_group(job: _Job, rank: int) -> None:
+    """Join the job's default group; with NCCL, first bind this rank to its GPU (NCCL takes the
+    current device as the rank's device)."""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if job.backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.FileStore(job.store_path, job.world_size)
     dist.init_process_group(
-        "gloo",
+        job.backend,
         store=store,
         rank=rank,
         world_size=job.world_size,

@@ -24,7 +24,9 @@ CASES_DIR = Path(__file__).resolve().parents[2] / "functional_tests" / "test_cas
 
 
 @dataclass(frozen=True)
-class Case:
+class FunctionalCase:
+    """One functional test case: its launch settings and model flags (``model_config.yaml``)."""
+
     name: str
     nproc: int
     train_iters: int
@@ -40,9 +42,9 @@ class Case:
         return {int(iteration): float(loss) for iteration, loss in values.items()}
 
 
-def load_case(name: str) -> Case:
+def load_case(name: str) -> FunctionalCase:
     config = yaml.safe_load((CASES_DIR / name / "model_config.yaml").read_text())
-    return Case(
+    return FunctionalCase(
         name, config["nproc"], config["train_iters"], config["save_interval"], config["model_args"]
     )
 
@@ -52,7 +54,7 @@ def case_names() -> List[str]:
 
 
 def run_case(
-    case: Case,
+    case: FunctionalCase,
     workdir: Path,
     label: str,
     scheduler: Optional[str] = None,
@@ -73,7 +75,7 @@ def run_case(
     return run_pretrain(flag_list(options), case.nproc, workdir / f"{label}.log")
 
 
-def write_goldens(case: Case, log: RunLog) -> None:
+def write_goldens(case: FunctionalCase, log: RunLog) -> None:
     values = {str(iteration): loss for iteration, loss in sorted(log.losses.items())}
     document = {"lm loss": {"start_step": 1, "end_step": case.train_iters, "values": values}}
     case.golden_path.write_text(json.dumps(document, indent=2) + "\n")

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.integration.cpu.attention import reference_layer_spec, with_core_attention
-from megatron_dcp.integration.cpu.backend import enable_cpu_backend
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.integration.patches import enable_cpu_backend
 from megatron_dcp.integration.schedule import packed_seq_params_of
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple
 from megatron_dcp.testing.distributed import run_distributed
@@ -78,7 +78,7 @@ def tiny_gpt_config(
     tp: int, pp: int, cp: int, vpp: Optional[int], options: TinyGPTOptions
 ) -> TransformerConfig:
     """fp32, CPU-initialised, no dropout; variable sequence lengths per micro-batch (which needs
-    the alltoall dispatcher setting even for dense models, CPU_BACKEND.md)."""
+    the alltoall dispatcher setting even for dense models: docs/cpu_backend.md)."""
     return TransformerConfig(
         num_layers=options.num_layers,
         hidden_size=options.hidden_size,

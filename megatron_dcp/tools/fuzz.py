@@ -2,9 +2,10 @@
 
 Every case draws a domain (any N = dp·cp in 1..64, a power-of-two minimum CP size, an optional VPP
 group size, a budget) and 0–300 lengths (tiny, typical and near-maximal), runs each scheduler and
-checks the plan with :func:`check_plan`, which re-derives every invariant of DESIGN.md from the raw
-fields of the plan without using :meth:`Plan.validate` or :class:`Domain` helpers. Inputs that a
-scheduler must or may reject (:func:`rejection`) must raise ``ValueError`` and nothing else; a
+checks the plan with :func:`~megatron_dcp.tools.plan_check.check_plan`, which re-derives every
+plan invariant (docs/architecture.md) from the raw fields of the plan without using
+:meth:`Plan.validate` or :class:`Domain` helpers. Inputs that a scheduler must or may reject
+(:func:`~megatron_dcp.tools.plan_check.rejection`) must raise ``ValueError`` and nothing else; a
 rejection of an input that provably has a plan is a violation. Failures are shrunk to a short
 reproducer. Pure Python; run ``python -m megatron_dcp.tools.fuzz --cases 20000 --jobs 2``.
 """
@@ -12,305 +13,28 @@ reproducer. Pure Python; run ``python -m megatron_dcp.tools.fuzz --cases 20000 -
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import InvalidPlanError, Plan
 from megatron_dcp.scheduling.registry import Scheduler, build_scheduler
+from megatron_dcp.tools.fuzz_cases import FuzzCase, draw_case
+from megatron_dcp.tools.plan_check import (
+    MAY_REJECT,
+    MUST_REJECT,
+    check_plan,
+    check_static_cp,
+    rejection,
+)
 
-MAX_DOMAIN = 64
-MAX_SEQUENCES = 300
-MAX_BUDGET = 4096
 STORED_VIOLATIONS = 20
 STORED_PER_KIND = 4  # so that rarer kinds of violation get reproducers too
 SHRINK_CALLS = 400
 MESSAGE_CHARS = 160
-
-# Outcomes of the feasibility oracle (see :func:`rejection`).
-MUST_REJECT = "must reject"
-MAY_REJECT = "may reject"
-
-
-# --------------------------------------------------------------------------------------------
-# The independent checker
-# --------------------------------------------------------------------------------------------
-
-
-def _pow2(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
-
-
-def _group_shape_ok(start: int, size: int, n: int, min_cp: int) -> bool:
-    """A communicator exists for ``[start, start + size)``: the whole domain, or an aligned
-    power-of-two block of at least ``min_cp`` ranks inside the domain."""
-    if start == 0 and size == n:
-        return True
-    return _pow2(size) and size >= min_cp and start % size == 0 and start + size <= n
-
-
-def check_header(
-    plan: Plan, seqlens: Sequence[int], domain: Domain, vpp: Optional[int]
-) -> List[str]:
-    """The plan describes this input, domain and VPP setting."""
-    errors = []
-    if tuple(plan.seqlens) != tuple(seqlens):
-        errors.append("plan.seqlens differ from the input lengths")
-    if plan.domain != domain:
-        errors.append(f"plan.domain {plan.domain} != {domain}")
-    if plan.microbatch_group_size_per_vp_stage != vpp:
-        errors.append(f"plan VPP size {plan.microbatch_group_size_per_vp_stage} != {vpp}")
-    return errors
-
-
-def check_coverage(plan: Plan, seqlens: Sequence[int]) -> List[str]:
-    """Every sample id appears in exactly one group of exactly one micro-batch."""
-    seen = Counter(i for mb in plan.microbatches for g in mb.groups for i in g.sample_ids)
-    errors = []
-    missing = [i for i in range(len(seqlens)) if seen[i] == 0]
-    repeated = sorted(i for i, n in seen.items() if n > 1)
-    unknown = sorted(i for i in seen if not (isinstance(i, int) and 0 <= i < len(seqlens)))
-    for what, ids in (("missing", missing), ("repeated", repeated), ("unknown", unknown)):
-        if ids:
-            errors.append(f"samples {what}: {ids[:5]}")
-    return errors
-
-
-def check_partition(plan: Plan, n: int) -> List[str]:
-    """The groups of every micro-batch partition the positions 0..N-1."""
-    errors = []
-    for index, mb in enumerate(plan.microbatches):
-        ranks = sorted(r for g in mb.groups for r in g.ranks)
-        if ranks != list(range(n)):
-            errors.append(f"mb {index}: groups do not partition 0..{n - 1}: {ranks[:12]}")
-    return errors
-
-
-def check_group_shapes(plan: Plan, n: int, min_cp: int) -> List[str]:
-    """Every group is a contiguous aligned block for which a CP group exists."""
-    errors = []
-    for index, mb in enumerate(plan.microbatches):
-        for g in mb.groups:
-            ranks = tuple(g.ranks)
-            if not ranks:
-                errors.append(f"mb {index}: a group has no ranks")
-                continue
-            start, size = ranks[0], len(ranks)
-            if ranks != tuple(range(start, start + size)) or not _group_shape_ok(
-                start, size, n, min_cp
-            ):
-                errors.append(f"mb {index}: group ranks {ranks[:8]} not a CP-group block")
-    return errors
-
-
-def check_budget(plan: Plan, seqlens: Sequence[int], budget: int) -> List[str]:
-    """Σ len / |group| ≤ budget in every group (exact integer arithmetic)."""
-    errors = []
-    for index, mb in enumerate(plan.microbatches):
-        for g in mb.groups:
-            tokens = sum(seqlens[i] for i in g.sample_ids if 0 <= i < len(seqlens))
-            if tokens > budget * max(1, len(g.ranks)):
-                errors.append(
-                    f"mb {index}: group {g.ranks[:1]}+{len(g.ranks)} holds {tokens} tokens > "
-                    f"{len(g.ranks)} x {budget}"
-                )
-    return errors
-
-
-def check_no_idle(plan: Plan) -> List[str]:
-    """No rank is idle: every group of every micro-batch packs at least one sample."""
-    return [
-        f"mb {index}: group {g.ranks[:1]}+{len(g.ranks)} is idle"
-        for index, mb in enumerate(plan.microbatches)
-        for g in mb.groups
-        if not g.sample_ids
-    ]
-
-
-def check_vpp(plan: Plan, vpp: Optional[int]) -> List[str]:
-    """With VPP the number of micro-batches is a multiple of the group size."""
-    count = len(plan.microbatches)
-    if vpp and count % vpp:
-        return [f"{count} micro-batches is not a multiple of VPP group size {vpp}"]
-    return []
-
-
-def check_static_cp(plan: Plan, cp_size: int) -> List[str]:
-    """``dp_balanced`` only: every group is the fixed CP block ``[d·cp, (d+1)·cp)``."""
-    return [
-        f"mb {index}: group {g.ranks[:4]} is not a static CP{cp_size} block"
-        for index, mb in enumerate(plan.microbatches)
-        for g in mb.groups
-        if len(g.ranks) != cp_size or g.ranks[0] % cp_size
-    ]
-
-
-def check_plan(plan: Plan, seqlens: Sequence[int], domain: Domain, vpp: Optional[int]) -> List[str]:
-    """Every violated plan invariant, as short messages (empty when the plan is valid).
-
-    Re-derives the invariants from the plan's raw fields and ``domain``'s four settings only.
-    """
-    n, budget, min_cp = (
-        domain.dp_size * domain.cp_size,
-        domain.max_seqlen_per_dp_cp_rank,
-        domain.min_cp_size,
-    )
-    return (
-        check_header(plan, seqlens, domain, vpp)
-        + check_coverage(plan, seqlens)
-        + check_partition(plan, n)
-        + check_group_shapes(plan, n, min_cp)
-        + check_budget(plan, seqlens, budget)
-        + check_no_idle(plan)
-        + check_vpp(plan, vpp)
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Cases and the feasibility oracle
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One scheduler input: the domain settings and the lengths."""
-
-    dp_size: int
-    cp_size: int
-    budget: int
-    min_cp_size: int
-    vpp: Optional[int]
-    seqlens: Tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return self.dp_size * self.cp_size
-
-    def kwargs(self) -> dict:
-        return dict(
-            dp_size=self.dp_size,
-            cp_size=self.cp_size,
-            max_seqlen_per_dp_cp_rank=self.budget,
-            min_cp_size=self.min_cp_size,
-            microbatch_group_size_per_vp_stage=self.vpp,
-        )
-
-    def domain(self) -> Domain:
-        return Domain(self.dp_size, self.cp_size, self.budget, self.min_cp_size)
-
-    def reproducer(self, name: str) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in self.kwargs().items())
-        lengths = list(self.seqlens)
-        text = f"build_scheduler({name!r}, {args}).schedule({lengths})"
-        if len(text) > 600:
-            shown = f"{lengths[:40]} + ...{len(lengths)} total"
-            text = f"build_scheduler({name!r}, {args}).schedule({shown})"
-        return text
-
-
-def min_bins_bounds(seqlens: Sequence[int], capacity: int) -> Tuple[int, int]:
-    """(lower, upper) bounds on the fewest bins of ``capacity`` tokens that hold ``seqlens``:
-    max(⌈Σ/C⌉, #items > C/2) and first-fit decreasing."""
-    if not seqlens:
-        return 0, 0
-    lower = max(-(-sum(seqlens) // capacity), sum(1 for s in seqlens if 2 * s > capacity))
-    free: List[int] = []
-    for s in sorted(seqlens, reverse=True):
-        for i, room in enumerate(free):
-            if s <= room:
-                free[i] -= s
-                break
-        else:
-            free.append(capacity - s)
-    return lower, len(free)
-
-
-def _largest_aligned(limit: int, vpp: Optional[int]) -> int:
-    """The largest multiple of ``vpp`` (any count without VPP) that is ≤ ``limit``."""
-    return limit - limit % vpp if vpp else limit
-
-
-def rejection(name: str, case: Case) -> Optional[str]:
-    """Whether ``name`` must, may, or must not (None) reject ``case`` with ``ValueError``.
-
-    A plan exists iff the lengths fit in K non-empty bins for some allowed bin count ≤ K: bins are
-    whole micro-batches of N·budget tokens for ``default_dynamic_cp`` (the whole-domain group
-    always exists) and static CP blocks of cp·budget tokens, dp per micro-batch, for
-    ``dp_balanced``. Splitting a bin never breaks capacity, so fewer bins than K can always be
-    padded to K. Bin packing is hard, so the answer is "may" between its lower and upper bounds.
-    """
-    n, seqlens, cp = case.size, case.seqlens, case.cp_size
-    if name == "dp_balanced" and not (cp == n or (_pow2(cp) and cp >= case.min_cp_size)):
-        return MUST_REJECT  # no static CP group of cp_size ranks exists
-    if any(s > n * case.budget for s in seqlens):
-        return MUST_REJECT
-    if not seqlens:
-        return None
-    if name not in ("dp_balanced", "default_dynamic_cp"):
-        return MAY_REJECT
-    capacity, bins = _bins(name, case)
-    if bins == 0 or any(s > capacity for s in seqlens):
-        return MUST_REJECT
-    lower, upper = min_bins_bounds(seqlens, capacity)
-    if lower > bins:
-        return MUST_REJECT
-    return None if upper <= bins else MAY_REJECT
-
-
-def _bins(name: str, case: Case) -> Tuple[int, int]:
-    """(tokens per bin, most bins a plan may have) for the schedulers :func:`rejection` knows."""
-    count = len(case.seqlens)
-    if name == "dp_balanced":
-        microbatches = _largest_aligned(count // case.dp_size, case.vpp)
-        return case.cp_size * case.budget, case.dp_size * microbatches
-    return case.size * case.budget, _largest_aligned(count, case.vpp)
-
-
-def draw_domain(rng: random.Random) -> Tuple[int, int, int, int, Optional[int]]:
-    """(dp, cp, budget, min_cp, vpp): N in 1..64 (odd and non-powers of two often)."""
-    n = rng.choice((rng.randint(1, MAX_DOMAIN), rng.randint(1, 12), 1 << rng.randint(0, 6)))
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    pow2_divisors = [d for d in divisors if _pow2(d)]
-    cp = rng.choice(pow2_divisors) if rng.random() < 0.6 else rng.choice(divisors)
-    pow2s = [1 << k for k in range(n.bit_length()) if 1 << k <= n]
-    min_cp = 1 if rng.random() < 0.5 else rng.choice(pow2s)
-    vpp = None if rng.random() < 0.5 else rng.randint(1, 4)
-    budget = rng.choice((rng.randint(1, 16), rng.randint(1, MAX_BUDGET), 1 << rng.randint(0, 12)))
-    return n // cp, cp, budget, min_cp, vpp
-
-
-def draw_lengths(rng: random.Random, n: int, budget: int) -> Tuple[int, ...]:
-    """0–300 lengths, mostly short lists; a per-case mixture of tiny, typical and near-max."""
-    count = rng.choice((rng.randint(0, 8), rng.randint(0, 40), rng.randint(0, MAX_SEQUENCES)))
-    cap = n * budget
-    weights = [rng.random() for _ in range(4)]
-    kinds = rng.choices(("tiny", "typical", "large", "max"), weights=weights, k=count)
-    lengths = []
-    for kind in kinds:
-        if kind == "tiny":
-            lengths.append(rng.randint(0, 3))
-        elif kind == "typical":
-            lengths.append(rng.randint(1, budget))
-        elif kind == "large":
-            lengths.append(rng.randint(1, cap))
-        else:
-            lengths.append(max(0, cap - rng.randint(0, 2)))
-    if count and rng.random() < 0.05:
-        lengths[rng.randrange(count)] = cap + rng.randint(1, budget)  # must be rejected
-    return tuple(min(length, cap + budget) for length in lengths)
-
-
-def draw_case(seed: int, index: int) -> Case:
-    """Case ``index`` of the run with ``seed`` (independent of the other cases)."""
-    rng = random.Random(seed * 1_000_003 + index)
-    dp, cp, budget, min_cp, vpp = draw_domain(rng)
-    return Case(dp, cp, budget, min_cp, vpp, draw_lengths(rng, dp * cp, budget))
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,7 +43,7 @@ def draw_case(seed: int, index: int) -> Case:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CaseVerdict:
     """What scheduling one case gave: a plan (``microbatches`` ≥ 0) or a rejection (None), and
     the problems found (empty when the scheduler behaved)."""
 
@@ -331,15 +55,17 @@ class Outcome:
         return self.microbatches is not None
 
 
-VERDICTS = {None: "has a plan", MUST_REJECT: "has no plan", MAY_REJECT: "may have no plan"}
+# How the oracle words an input, for the message of an unexpected exception.
+ORACLE_WORDS = {None: "has a plan", MUST_REJECT: "has no plan", MAY_REJECT: "may have no plan"}
 
 
 def _short(error: BaseException) -> str:
+    """``error`` as one message of at most ``MESSAGE_CHARS`` characters."""
     text = f"{type(error).__name__}: {error}"
     return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
 
 
-def run_case(name: str, case: Case) -> Outcome:
+def run_case(name: str, case: FuzzCase) -> CaseVerdict:
     """Schedule ``case`` with ``name`` and judge the result against :func:`check_plan` and the
     feasibility oracle :func:`rejection`."""
     expected = rejection(name, case)
@@ -347,25 +73,25 @@ def run_case(name: str, case: Case) -> Outcome:
         scheduler = build_scheduler(name, **case.kwargs())
         plan = scheduler.schedule(list(case.seqlens))
     except InvalidPlanError as error:  # a ValueError, but the scheduler's fault
-        return Outcome(None, (f"schedule() built an invalid plan: {_short(error)}",))
+        return CaseVerdict(None, (f"schedule() built an invalid plan: {_short(error)}",))
     except ValueError as error:
         if expected is None:
-            return Outcome(None, (f"ValueError on an input that has a plan: {_short(error)}",))
+            return CaseVerdict(None, (f"ValueError on an input that has a plan: {_short(error)}",))
         if not isinstance(error, SchedulingError):
-            return Outcome(None, (f"ValueError is no SchedulingError: {_short(error)}",))
-        return Outcome(None)
+            return CaseVerdict(None, (f"ValueError is no SchedulingError: {_short(error)}",))
+        return CaseVerdict(None)
     except Exception as error:  # noqa: BLE001 - any other exception is the finding
-        verdict = VERDICTS[expected]
-        return Outcome(
-            None, (f"{type(error).__name__} on an input that {verdict}: {_short(error)}",)
+        words = ORACLE_WORDS[expected]
+        return CaseVerdict(
+            None, (f"{type(error).__name__} on an input that {words}: {_short(error)}",)
         )
     problems = plan_problems(name, case, scheduler, plan)
     if expected == MUST_REJECT:
         problems.insert(0, "accepted an input that has no plan (must raise ValueError)")
-    return Outcome(plan.num_microbatches, tuple(problems))
+    return CaseVerdict(plan.num_microbatches, tuple(problems))
 
 
-def plan_problems(name: str, case: Case, scheduler: Scheduler, plan: Plan) -> List[str]:
+def plan_problems(name: str, case: FuzzCase, scheduler: Scheduler, plan: Plan) -> List[str]:
     """:func:`check_plan` (+ static CP for ``dp_balanced``), ``validate()`` and determinism."""
     problems = check_plan(plan, case.seqlens, case.domain(), case.vpp)
     if name == "dp_balanced":
@@ -389,18 +115,25 @@ def problem_kind(problem: str) -> str:
     return "".join("#" if ch.isdigit() else ch for ch in problem.split(":")[0])
 
 
+# --------------------------------------------------------------------------------------------
+# Shrinking
+# --------------------------------------------------------------------------------------------
+
+
 class _Budgeted:
     """A failure predicate that answers False once it has been called ``budget`` times."""
 
-    def __init__(self, fails: Callable[[Case], bool], budget: int) -> None:
+    def __init__(self, fails: Callable[[FuzzCase], bool], budget: int) -> None:
         self.fails, self.left = fails, budget
 
-    def __call__(self, case: Case) -> bool:
+    def __call__(self, case: FuzzCase) -> bool:
         self.left -= 1
         return self.left >= 0 and self.fails(case)
 
 
-def shrink(case: Case, fails: Callable[[Case], bool], budget: int = SHRINK_CALLS) -> Case:
+def shrink(
+    case: FuzzCase, fails: Callable[[FuzzCase], bool], budget: int = SHRINK_CALLS
+) -> FuzzCase:
     """A smaller case that still ``fails``: simpler domain settings, fewer lengths, smaller
     lengths (greedy, at most ``budget`` calls of ``fails``)."""
     still_fails = _Budgeted(fails, budget)
@@ -412,7 +145,7 @@ def shrink(case: Case, fails: Callable[[Case], bool], budget: int = SHRINK_CALLS
     return _lower_lengths(current, still_fails)
 
 
-def _lower_lengths(case: Case, still_fails: _Budgeted) -> Case:
+def _lower_lengths(case: FuzzCase, still_fails: _Budgeted) -> FuzzCase:
     """Lower single lengths (to 0, 1, half, ...) while the case still fails."""
     current, changed = case, True
     while changed and still_fails.left > 0:
@@ -428,7 +161,7 @@ def _lower_lengths(case: Case, still_fails: _Budgeted) -> Case:
     return current
 
 
-def _simpler_domains(case: Case) -> List[Case]:
+def _simpler_domains(case: FuzzCase) -> List[FuzzCase]:
     """Variants with one setting simplified: no VPP, min CP 1, DP-only or CP-only layout."""
     variants = [replace(case, vpp=None), replace(case, min_cp_size=1)]
     variants += [
@@ -438,7 +171,7 @@ def _simpler_domains(case: Case) -> List[Case]:
     return [v for v in variants if v != case]
 
 
-def _drop_lengths(case: Case, still_fails: Callable[[Case], bool]) -> Case:
+def _drop_lengths(case: FuzzCase, still_fails: Callable[[FuzzCase], bool]) -> FuzzCase:
     """Remove chunks of lengths (halving the chunk size) while the case still fails."""
     current, chunk = case, max(1, len(case.seqlens) // 2)
     while chunk >= 1:
@@ -562,30 +295,37 @@ def run_fuzz(
     return result
 
 
-def _record(result: FuzzResult, name: str, case: Case, seed: int, index: int) -> None:
+def _record(result: FuzzResult, name: str, case: FuzzCase, seed: int, index: int) -> None:
+    """Tally ``name`` on ``case``; a violation of a kind still short of reproducers is shrunk."""
     counts = result.per_scheduler[name]
-    outcome = run_case(name, case)
-    if not outcome.problems:
-        if outcome.planned:
+    verdict = run_case(name, case)
+    if not verdict.problems:
+        if verdict.planned:
             counts.planned += 1
-            counts.microbatches += outcome.microbatches
+            counts.microbatches += verdict.microbatches
         else:
             counts.skipped_invalid += 1
             result.skipped_invalid += 1
         return
     counts.violations += 1
-    kind = problem_kind(outcome.problems[0])
+    kind = problem_kind(verdict.problems[0])
     result.kinds[f"{name}: {kind}"] = result.kinds.get(f"{name}: {kind}", 0) + 1
     if not result.wants_reproducer(f"{name}: {kind}"):
         result.violation_count += 1  # counted, not stored: only stored ones are worth shrinking
         return
     small = shrink(case, lambda c: any(problem_kind(p) == kind for p in run_case(name, c).problems))
-    detail = "; ".join(run_case(name, small).problems[:2]) or "; ".join(outcome.problems[:2])
+    detail = "; ".join(run_case(name, small).problems[:2]) or "; ".join(verdict.problems[:2])
     text = f"[seed {seed} case {index}] {name}: {detail} | {small.reproducer(name)}"
     result.add_violation(text, f"{name}: {kind}")
 
 
+# --------------------------------------------------------------------------------------------
+# ``python -m megatron_dcp.tools.fuzz``: worker processes
+# --------------------------------------------------------------------------------------------
+
+
 def _worker(args: Tuple[int, int, int, Tuple[str, ...], int]) -> FuzzResult:
+    """(cases, seed, first case, schedulers, progress interval): one process's share."""
     cases, seed, first, schedulers, every = args
     started = time.perf_counter()
 
@@ -601,30 +341,39 @@ def _worker(args: Tuple[int, int, int, Tuple[str, ...], int]) -> FuzzResult:
     return run_fuzz(cases, seed, schedulers, first_case=first, progress=progress)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """The flags of ``python -m megatron_dcp.tools.fuzz``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (cases split evenly)")
     parser.add_argument("--schedulers", nargs="+", default=["default_dynamic_cp", "dp_balanced"])
     parser.add_argument("--progress", type=int, default=0, help="log every this many cases")
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    names = tuple(args.schedulers)
-    chunks = [
-        (args.cases * j // args.jobs, args.cases * (j + 1) // args.jobs) for j in range(args.jobs)
-    ]
-    work = [(stop - start, args.seed, start, names, args.progress) for start, stop in chunks]
-    if args.jobs > 1:
+    return parser.parse_args(argv)
+
+
+def run_jobs(cases: int, seed: int, jobs: int, names: Tuple[str, ...], every: int) -> FuzzResult:
+    """``cases`` cases split evenly over ``jobs`` worker processes (in this one when 1), merged."""
+    chunks = [(cases * j // jobs, cases * (j + 1) // jobs) for j in range(jobs)]
+    work = [(stop - start, seed, start, names, every) for start, stop in chunks]
+    if jobs > 1:
         import multiprocessing
 
-        with multiprocessing.Pool(args.jobs) as pool:
+        with multiprocessing.Pool(jobs) as pool:
             parts = pool.map(_worker, work)
     else:
         parts = [_worker(work[0])]
     total = FuzzResult(cases=0)
     for part in parts:
         total.merge(part)
+    return total
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m megatron_dcp.tools.fuzz``: print the summary; exit 1 on any violation."""
+    args = parse_args(argv)
+    started = time.perf_counter()
+    total = run_jobs(args.cases, args.seed, args.jobs, tuple(args.schedulers), args.progress)
     total.seconds = time.perf_counter() - started
     print(total.summary(), flush=True)
     return 0 if total.ok else 1

@@ -1,8 +1,8 @@
 """Plan pictures: one panel per scheduler, ranks across, micro-batches down, one outlined box per
 CP group, coloured by its per-rank load relative to the slowest rank of its micro-batch (1 = on the
 critical path, darker = idle for that fraction of the micro-batch), on one shared colour scale.
-matplotlib (Agg) is imported only when drawing, so the scheduling package stays importable
-without it."""
+matplotlib (Agg) is an optional extra (``pip install 'megatron-dcp[plot]'``), imported only when
+drawing; without it, asking for a picture is a one-line error that says what to install."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel
-from megatron_dcp.scheduling.plan import Plan
 from megatron_dcp.scheduling.metrics import rank_loads
+from megatron_dcp.scheduling.plan import Plan
 from megatron_dcp.tools.simulator import Report
 
 _PANEL_WIDTH_IN = 5.0
@@ -110,8 +110,22 @@ def _draw_panel(ax: Any, panel: Panel, cmap: Any) -> None:
     _set_axes(ax, panel)
 
 
+PLOT_EXTRA_HINT = "install the plot extra: pip install 'megatron-dcp[plot]' (or matplotlib)"
+
+
+def require_matplotlib(flag: str = "--plot") -> None:
+    """Raise a one-line ValueError naming ``flag`` when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"{flag} draws with matplotlib, which is not installed: " f"{PLOT_EXTRA_HINT}."
+        ) from None
+
+
 def plot_panels(panels: Sequence[Panel], path: str, suptitle: str = "") -> None:
     """Draw ``panels`` side by side with one shared colour scale and colour bar."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
+from megatron_dcp.tools.plot import require_matplotlib
 
 NPROC, TP, CP = 8, 2, 4
 MODEL: Dict[str, object] = {
@@ -120,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("quickstart_out"))
     args = parser.parse_args(argv)
+    require_matplotlib("the quick-start's plan picture")  # before minutes of training
     warnings.filterwarnings("ignore")  # megatron's import-time notices about absent TE/APEX
     args.out.mkdir(parents=True, exist_ok=True)
     static, dcp = (train(name, args.iters, args.out) for name in SCHEDULERS)

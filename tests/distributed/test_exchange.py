@@ -10,12 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.runtime.exchange import (
-    GlobalLengths,
+from megatron_dcp.runtime.exchange import GlobalLengths, all_gather_seqlens, gather_lengths
+from megatron_dcp.runtime.routing import (
     SampleSchema,
-    all_gather_seqlens,
     build_routing_table,
-    gather_lengths,
     route_by_all_gather,
     route_samples,
 )

@@ -1,6 +1,7 @@
-"""The fork + gloo harness: results by rank, errors carry the traceback, dead workers and hangs
-fail fast instead of blocking the test session."""
+"""The fork harness: results by rank, errors carry the traceback, dead workers and hangs fail fast
+instead of blocking the test session; the backend is a checked parameter."""
 
+import multiprocessing
 import os
 import time
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.testing import DistributedTestError, run_distributed
+from megatron_dcp.testing.distributed import cuda_device_count
 
 
 def _all_reduce_rank(rank, world_size):
@@ -55,3 +57,31 @@ def _rank_zero_never_joins(rank, world_size):
 def test_hang_hits_the_deadline():
     with pytest.raises(DistributedTestError, match="timed out"):
         run_distributed(_rank_zero_never_joins, 2, timeout_s=3, collective_timeout_s=30)
+
+
+def _backend_and_sum(rank, world_size):
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value)
+    return dist.get_backend(), value.item()
+
+
+def test_explicit_gloo_backend():
+    assert run_distributed(_backend_and_sum, 2, backend="gloo") == [("gloo", 1.0)] * 2
+
+
+def _no_worker(*args, **kwargs):
+    raise AssertionError("a worker process was about to start")
+
+
+@pytest.mark.parametrize("backend", ["mpi", "cuda", ""])
+def test_unknown_backend_fails_before_any_worker_starts(backend, monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_context", _no_worker)
+    with pytest.raises(ValueError, match=f"unknown backend {backend!r}.*'gloo', 'nccl'"):
+        run_distributed(_all_reduce_rank, 2, backend=backend)
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks the error on a machine without GPUs")
+def test_nccl_without_gpu_fails_before_any_worker_starts(monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_context", _no_worker)
+    with pytest.raises(ValueError, match="backend='nccl' needs a CUDA GPU"):
+        run_distributed(_all_reduce_rank, 2, backend="nccl")

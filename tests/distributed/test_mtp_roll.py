@@ -22,7 +22,7 @@ def _rolled_on_cp(rank, world_size, patched):
     from megatron_dcp.runtime.packing import pack_samples, padding_multiple, unzigzag
 
     if patched:
-        patches.patch_mtp_roll_tensor()
+        patches.apply_patches()
     roll = mtp.roll_tensor if patched else getattr(mtp.roll_tensor, "__wrapped__", mtp.roll_tensor)
     samples = [
         {

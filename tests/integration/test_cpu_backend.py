@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.integration.cpu.attention import ReferenceCoreAttention, with_core_attention
-from megatron_dcp.integration.cpu.backend import (
+from megatron_dcp.integration.patches import (
     cpu_backend_enabled,
     disable_cpu_backend,
     enable_cpu_backend,

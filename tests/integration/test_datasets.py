@@ -8,14 +8,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from megatron_dcp.integration.data.datasets import (
-    DEFAULT_DISTRIBUTION,
-    IndexedDocumentDataset,
+from megatron_dcp.integration.data.datasets import DEFAULT_DISTRIBUTION, build_varlen_datasets
+from megatron_dcp.integration.data.indexed import IndexedDocumentDataset, split_document_ranges
+from megatron_dcp.integration.data.mock import (
     VarlenMockDataset,
-    build_varlen_datasets,
     lengths_from_file,
     parse_length_distribution,
-    split_document_ranges,
 )
 from megatron_dcp.integration.megatron_import import import_megatron_core
 

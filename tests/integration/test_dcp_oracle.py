@@ -15,17 +15,17 @@ from megatron_dcp.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
-from megatron_dcp.testing.gpt import (  # noqa: E402
-    TinyGPTOptions,
-    make_samples,
-    single_process_reference,
-)
 from megatron_dcp.testing.dcp import (  # noqa: E402
     DCPStepResult,
     dcp_training_run,
     dcp_training_step,
     mtp_losses,
     reference_training_run,
+)
+from megatron_dcp.testing.gpt import (  # noqa: E402
+    TinyGPTOptions,
+    make_samples,
+    single_process_reference,
 )
 
 # Lengths chosen so that plans mix CP sizes: with budget 64 on N = 4, 200 needs the whole domain,
@@ -35,7 +35,7 @@ OPTIONS = TinyGPTOptions(num_layers=4)
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 2
@@ -52,13 +52,13 @@ class Layout:
 
 
 LAYOUTS = [
-    Layout(cp=2, world=4),  # dp2·cp2
-    Layout(cp=4, world=8),  # dp2·cp4, N = 8
-    Layout(tp=2, cp=2, world=4),
-    Layout(pp=2, cp=2, world=4),
-    Layout(pp=2, cp=2, world=8),  # pp2·dp2·cp2
-    Layout(tp=2, pp=2, cp=2, world=8),
-    Layout(pp=2, cp=2, vpp=2, world=4),
+    ParallelLayout(cp=2, world=4),  # dp2·cp2
+    ParallelLayout(cp=4, world=8),  # dp2·cp4, N = 8
+    ParallelLayout(tp=2, cp=2, world=4),
+    ParallelLayout(pp=2, cp=2, world=4),
+    ParallelLayout(pp=2, cp=2, world=8),  # pp2·dp2·cp2
+    ParallelLayout(tp=2, pp=2, cp=2, world=8),
+    ParallelLayout(pp=2, cp=2, vpp=2, world=4),
 ]
 
 
@@ -72,7 +72,7 @@ def reference(samples):
     return single_process_reference(samples, OPTIONS)
 
 
-def budget_for(layout: Layout) -> int:
+def budget_for(layout: ParallelLayout) -> int:
     """A budget that makes the longest sample need the whole domain under DCP, while static CP
     (groups of ``cp``) can still hold it."""
     return max(-(-max(LENGTHS) // layout.cp), -(-max(LENGTHS) // (layout.dp * layout.cp)))
@@ -86,7 +86,7 @@ def assert_matches(result: DCPStepResult, reference) -> None:
         torch.testing.assert_close(result.grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def run_step(layout: Layout, samples, scheduler: str, budget: int, min_cp_size: int = 1):
+def run_step(layout: ParallelLayout, samples, scheduler: str, budget: int, min_cp_size: int = 1):
     step = partial(
         dcp_training_step,
         tp=layout.tp,
@@ -113,7 +113,9 @@ def test_groups_smaller_and_larger_than_static_cp_in_one_step(min_cp_size, sampl
     """Budget 64 on dp2·cp2: the 200-token sample needs all 4 ranks while the others fit on
     ``min_cp_size`` or 2 ranks, so micro-batches run on groups larger than the static CP group
     of 2 next to smaller or equal ones — an input static CP cannot run at all."""
-    results = run_step(Layout(cp=2, world=4), samples, "default_dynamic_cp", 64, min_cp_size)
+    results = run_step(
+        ParallelLayout(cp=2, world=4), samples, "default_dynamic_cp", 64, min_cp_size
+    )
     for result in results:
         assert_matches(result, reference)
         assert 4 in result.cp_sizes and len(result.cp_sizes) > 1
@@ -153,7 +155,7 @@ def test_non_power_of_two_domain():
     whole domain; the step still equals the single-process run."""
     six = make_samples((150, 5, 64, 90, 12, 33), OPTIONS.vocab_size, seed=3)
     expected = single_process_reference(six, OPTIONS)
-    results = run_step(Layout(cp=2, world=6), six, "default_dynamic_cp", 32)
+    results = run_step(ParallelLayout(cp=2, world=6), six, "default_dynamic_cp", 32)
     for result in results:
         assert_matches(result, expected)
     assert any(size > 2 for size in results[0].cp_sizes)

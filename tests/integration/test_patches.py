@@ -1,5 +1,6 @@
-"""The megatron patches: idempotence, version gate, switch and restore (also on exceptions), and
-the TE attention correction on a recording stand-in for TE's ``set_context_parallel_group``."""
+"""The patch table: idempotence, restore, version gate, the listing; switch and restore of the CP
+group (also on exceptions), and the TE attention correction on a recording stand-in for TE's
+``set_context_parallel_group``."""
 
 from types import SimpleNamespace
 
@@ -7,6 +8,7 @@ import pytest
 
 from megatron_dcp.integration import patches
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.integration.patches import table
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
@@ -20,18 +22,44 @@ def dcp_params(group, size):
     return PackedSeqParams(qkv_format="thd", local_cp_size=size, cp_group=group)
 
 
-def test_apply_patches_is_idempotent_and_wraps_every_target():
+def current_targets(entry):
+    return [getattr(*entry.resolve(target)) for target in entry.targets]
+
+
+def test_apply_is_idempotent_and_restore_puts_the_originals_back():
     patches.apply_patches()
-    targets = [getattr(*patch.target()) for patch in patches.PATCHES]
-    assert all(getattr(fn, patches.PATCH_MARK, False) for fn in targets)
+    applied = [e for e in patches.entries("dcp", "pipeline") if patches.is_applied(e)]
+    assert {"attention_rope", "mtp_roll_tensor", "pipeline_p2p_tags"} <= {e.name for e in applied}
+    wrapped = {e.name: current_targets(e) for e in applied}
     assert patches.apply_patches() == []
-    assert [getattr(*patch.target()) for patch in patches.PATCHES] == targets
+    assert {e.name: current_targets(e) for e in applied} == wrapped
+    originals = {e.name: [table.original_of(e, t) for t in e.targets] for e in applied}
+    try:
+        assert set(patches.restore_groups(("dcp", "pipeline"))) == set(wrapped)
+        assert {e.name: current_targets(e) for e in applied} == originals
+    finally:
+        patches.apply_patches()
+    assert all(patches.is_applied(e) for e in applied)
+
+
+def test_every_entry_is_listed_with_its_reason_gate_and_targets():
+    names = [entry.name for entry in patches.PATCHES]
+    assert len(names) == len(set(names))
+    for entry in patches.PATCHES:
+        assert entry.group in patches.GROUPS and entry.targets and len(entry.corrects) > 30
+        assert entry.versions == ((0, 19),) and entry.when.name
+    listing = patches.describe()
+    assert all(f"{name} [" in listing for name in names)
 
 
 def test_version_gate_rejects_other_megatron_versions(monkeypatch):
-    monkeypatch.setattr(patches, "megatron_version", lambda: (0, 20, 0))
+    monkeypatch.setattr(table, "megatron_version", lambda: (0, 20, 0))
+    entry = patches.entries("dcp")[0]
     with pytest.raises(RuntimeError, match="0.19"):
-        patches.check_version()
+        patches.check_version(entry)
+    if not patches.is_applied(entry):
+        with pytest.raises(RuntimeError, match=entry.name):
+            table.apply(entry)
 
 
 def test_micro_batch_cp_group_rules():
@@ -116,8 +144,7 @@ def make_te_stand_in():
 
 def test_te_patch_restores_static_group_and_creates_cp_stream_lazily():
     cls = make_te_stand_in()
-    assert patches.patch_te_attention(cls, make_stream=lambda: "lazy-stream")
-    assert not patches.patch_te_attention(cls, make_stream=lambda: "other")  # idempotent
+    cls.forward = patches.te_attention_forward(cls, cls.forward, make_stream=lambda: "lazy-stream")
     module = cls()
 
     module.forward("q", "k", "v", None, "causal", packed_seq_params=dcp_params(DYNAMIC, 4))
@@ -136,7 +163,7 @@ def test_te_patch_restores_static_group_and_creates_cp_stream_lazily():
 
 def test_te_patch_leaves_static_cp_forward_alone():
     cls = make_te_stand_in()
-    patches.patch_te_attention(cls, make_stream=lambda: "lazy-stream")
+    cls.forward = patches.te_attention_forward(cls, cls.forward, make_stream=lambda: "lazy-stream")
     module = cls()
     module.forward("q", "k", "v", None, "causal", packed_seq_params=None)
     assert module.set_calls == [] and cls.cp_stream is None and module.ran_with[0] is STATIC

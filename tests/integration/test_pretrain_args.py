@@ -1,5 +1,6 @@
 """The entry point's flag checks: each bad DCP setting fails before the first step with a
-ValueError naming the flag; per-token loss is turned on with a notice."""
+ValueError naming the flag; per-token loss is on by default; argv is read without touching
+sys.argv."""
 
 from argparse import ArgumentParser, Namespace
 
@@ -15,7 +16,7 @@ GOOD = dict(
     sequence_packing_scheduler=None,
     micro_batch_size=1,
     max_seqlen_per_dp_cp_rank=128,
-    calculate_per_token_loss=False,
+    calculate_per_token_loss=True,
     data_parallel_size=2,
     context_parallel_size=4,
     seq_length=1024,
@@ -35,12 +36,25 @@ def pretrain_gpt():
     return pretrain_gpt
 
 
-def test_good_flags_pass_and_turn_per_token_loss_on(pretrain_gpt, capsys):
-    namespace = args()
-    settings = pretrain_gpt.check_args(namespace)
-    assert settings.scheduler == "default_dynamic_cp" and settings.max_seqlen_per_dp_cp_rank == 128
-    assert namespace.calculate_per_token_loss
-    assert "--calculate-per-token-loss" in capsys.readouterr().out
+def test_good_flags_pass(pretrain_gpt):
+    config = pretrain_gpt.check_args(args())
+    assert config.scheduler == "default_dynamic_cp" and config.max_seqlen_per_dp_cp_rank == 128
+    assert (config.cp_size, config.tp_size) == (4, 1)
+
+
+def test_the_parser_reads_argv_and_turns_per_token_loss_on(pretrain_gpt, monkeypatch):
+    from megatron.training.arguments import add_megatron_arguments
+
+    monkeypatch.setattr("sys.argv", ["untouched"])
+    parser = pretrain_gpt.extra_args(["--dynamic-context-parallel", "--micro-batch-size", "1"])(
+        add_megatron_arguments(ArgumentParser(allow_abbrev=False))
+    )
+    parsed = parser.parse_args()
+    assert parsed.dynamic_context_parallel and parsed.calculate_per_token_loss
+    assert parsed.micro_batch_size == 1
+    import sys
+
+    assert sys.argv == ["untouched"]
 
 
 @pytest.mark.parametrize(
@@ -54,6 +68,8 @@ def test_good_flags_pass_and_turn_per_token_loss_on(pretrain_gpt, capsys):
         (dict(micro_batch_size=2), "--micro-batch-size=2"),
         (dict(seq_length=2048), "--seq-length=2048"),
         (dict(sequence_packing_scheduler="dp_balanced", seq_length=1024), "--seq-length=1024"),
+        (dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
+        (dict(min_dynamic_context_parallel_size=16), "--min-dynamic-context-parallel-size=16"),
     ],
 )
 def test_bad_flags_are_rejected_before_training(pretrain_gpt, overrides, flag):
@@ -62,7 +78,7 @@ def test_bad_flags_are_rejected_before_training(pretrain_gpt, overrides, flag):
 
 
 def test_dcp_flags_parse_with_upstream_names():
-    from megatron_dcp.integration.training import add_dcp_args
+    from megatron_dcp.integration.config import add_dcp_args
 
     parser = add_dcp_args(ArgumentParser())
     parsed = parser.parse_args(
@@ -75,5 +91,3 @@ def test_dcp_flags_parse_with_upstream_names():
         ]
     )
     assert parsed.dynamic_context_parallel and parsed.min_dynamic_context_parallel_size == 2
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--sequence-packing-scheduler", "fifo"])

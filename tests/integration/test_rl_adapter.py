@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-cor
 import torch.distributed as dist  # noqa: E402
 
 from megatron_dcp.adapters import (  # noqa: E402
-    DCPSettings,
+    DCPConfig,
     SplitBatch,
     merge_outputs,
     plan_batch,
@@ -91,7 +91,7 @@ def adapter_step(
     apply_patches()
     (model,) = build_tiny_gpt(cp=cp, options=OPTIONS)
     groups = create_dcp_groups()
-    split = split_batch(samples, groups, DCPSettings.from_config(model.config, budget))
+    split = split_batch(samples, groups, DCPConfig.for_model(model.config, budget))
     log_probs = []
     for mb in split.microbatches:
         assert_shards_like_packing(samples, split, mb.index)
@@ -237,7 +237,7 @@ def schedule_step(
     apply_patches()
     (model,) = build_tiny_gpt(cp=cp, options=OPTIONS)
     groups = create_dcp_groups()
-    split = split_batch(samples, groups, DCPSettings.from_config(model.config, budget))
+    split = split_batch(samples, groups, DCPConfig.for_model(model.config, budget))
     batches = [mb.as_batch() for mb in split.microbatches]
     reports = get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -293,7 +293,7 @@ def mtp_step(rank: int, world_size: int, samples: Sequence[Sample], budget: int)
 
     gpt_model.process_mtp_loss = counting  # a forked worker: the parent is untouched
     groups = create_dcp_groups()
-    split = split_batch(samples, groups, DCPSettings.from_config(model.config, budget))
+    split = split_batch(samples, groups, DCPConfig.for_model(model.config, budget))
     for mb in split.microbatches:
         losses = model_forward(model, mb.packed, mb.packed_seq_params)
         token_mean_loss(losses, mb, split).backward()
@@ -327,8 +327,8 @@ def test_reassemble_inverts_packing_for_every_position(domain, cp, seed):
     for token ids (1-D) and a per-token feature (2-D)."""
     lengths = random_lengths(seed + 2, seed, longest=120) + [0]
     samples = make_samples(lengths, seed=seed)
-    settings = DCPSettings(max_seqlen_per_dp_cp_rank=budget_for(lengths, domain, 8), cp_size=cp)
-    plan = plan_batch(lengths, domain, settings)
+    config = DCPConfig(max_seqlen_per_dp_cp_rank=budget_for(lengths, domain, 8), cp_size=cp)
+    plan = plan_batch(lengths, domain, config)
     parts = [[] for _ in range(domain)]
     for microbatch in plan.microbatches:
         for group in microbatch.groups:
@@ -337,14 +337,14 @@ def test_reassemble_inverts_packing_for_every_position(domain, cp, seed):
                     [samples[i] for i in group.sample_ids],
                     group.size,
                     cp_rank,
-                    settings.pad_multiple(group.size),
+                    config.pad_multiple(group.size),
                 )
                 parts[position].append(packed.tokens[0])
     flat = [torch.cat(p) for p in parts]
-    merged = reassemble(plan, settings, flat, ())
+    merged = reassemble(plan, config, flat, ())
     assert [m.tolist() for m in merged] == [s["tokens"].tolist() for s in samples]
     wide = [torch.stack([f, -f], dim=1) for f in flat]
-    merged = reassemble(plan, settings, wide, (2,))
+    merged = reassemble(plan, config, wide, (2,))
     assert [m[:, 1].tolist() for m in merged] == [(-s["tokens"]).tolist() for s in samples]
 
 
@@ -360,16 +360,16 @@ def test_token_mean_scale():
 
 def test_settings_and_plan_errors_name_the_argument():
     with pytest.raises(ValueError, match="max-seqlen-per-dp-cp-rank"):
-        DCPSettings(max_seqlen_per_dp_cp_rank=7)
+        DCPConfig(max_seqlen_per_dp_cp_rank=7)
     with pytest.raises(ValueError, match="scheduler"):
-        DCPSettings(max_seqlen_per_dp_cp_rank=64, scheduler="nope")
+        DCPConfig(max_seqlen_per_dp_cp_rank=64, scheduler="nope")
     with pytest.raises(ValueError, match="domain_size=6"):
-        plan_batch([5, 6], 6, DCPSettings(max_seqlen_per_dp_cp_rank=64, cp_size=4))
+        plan_batch([5, 6], 6, DCPConfig(max_seqlen_per_dp_cp_rank=64, cp_size=4))
 
 
 def test_shard_per_token_rejects_values_of_the_wrong_length():
-    settings = DCPSettings(max_seqlen_per_dp_cp_rank=64)
-    split = SplitBatch(plan_batch([3, 5], 2, settings), settings, 0, (), 8)
+    config = DCPConfig(max_seqlen_per_dp_cp_rank=64)
+    split = SplitBatch(plan_batch([3, 5], 2, config), config, 0, (), 8)
     with pytest.raises(ValueError, match="one per sample"):
         shard_per_token([torch.zeros(3)], split, 0)
     with pytest.raises(ValueError, match=r"values\[1\] has shape \(4,\); expected \[5"):

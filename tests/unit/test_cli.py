@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from megatron_dcp.tools import cli
-from megatron_dcp.tools.peers import megatron_hybrid_cp as peer
 from megatron_dcp.scheduling import build_cost_model
 from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.tools import benchmark, cli, compare
+from megatron_dcp.tools.peers import megatron_hybrid_cp as peer
 
 SMALL = [
     "simulate",
@@ -145,7 +145,7 @@ def test_peer_rejects_empty_sequences():
 
 
 def test_benchmark_restricted(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "TIMING_LAYOUTS", ((2, 2, 40), (4, 2, 80)))
+    monkeypatch.setattr(benchmark, "TIMING_LAYOUTS", ((2, 2, 40), (4, 2, 80)))
     argv = ["benchmark", "--workload", "uniform", "--cost-model", "attention", "--quick"]
     code, out, _ = run(capsys, argv)
     assert code == 0
@@ -182,13 +182,14 @@ def test_fuzz_fails_on_violations(monkeypatch, capsys):
 
 
 def test_render_table_alignment():
-    table = cli.render_table(("a", "bb"), [("xyz", "1"), ("q", "22")], "lr")
+    table = compare.render_table(("a", "bb"), [("xyz", "1"), ("q", "22")], "lr")
     assert table.splitlines() == ["a    bb", "xyz   1", "q    22"]
 
 
 def test_scheduling_imports_neither_matplotlib_nor_megatron():
     code = (
-        "import sys, megatron_dcp.tools.cli, megatron_dcp.tools.plot, "
+        "import sys, megatron_dcp.tools.cli, megatron_dcp.tools.simulate, "
+        "megatron_dcp.tools.benchmark, megatron_dcp.tools.fuzz_command, megatron_dcp.tools.plot, "
         "megatron_dcp.tools.workloads, megatron_dcp.tools.peers.megatron_hybrid_cp;"
         "bad = [m for m in ('matplotlib', 'megatron.core', 'torch') if m in sys.modules];"
         "assert not bad, bad"

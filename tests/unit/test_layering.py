@@ -1,6 +1,6 @@
 """The scheduling layer is pure Python: importing it (every module of it) pulls in neither torch,
-nor megatron, nor numpy (DESIGN.md, "Layers"). Checked in a fresh interpreter, since this test
-process may already have imported them."""
+nor megatron, nor numpy (docs/architecture.md, "Layers"). Checked in a fresh interpreter, since
+this test process may already have imported them."""
 
 import json
 import os

@@ -39,12 +39,16 @@ def test_dynamic_cp_is_close_to_the_lower_bound(cost):
 
 
 def test_empty_input_gives_an_empty_plan():
-    plan = build_scheduler("default_dynamic_cp", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8).schedule([])
+    plan = build_scheduler(
+        "default_dynamic_cp", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8
+    ).schedule([])
     assert plan.microbatches == ()
 
 
 def test_fewer_samples_than_ranks_leaves_no_rank_idle():
-    scheduler = build_scheduler("default_dynamic_cp", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=64)
+    scheduler = build_scheduler(
+        "default_dynamic_cp", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=64
+    )
     plan = scheduler.schedule([100, 3, 7])
     assert plan.num_microbatches == 1
     assert all(g.sample_ids for g in plan.microbatches[0].groups)
@@ -53,7 +57,10 @@ def test_fewer_samples_than_ranks_leaves_no_rank_idle():
 
 def test_vpp_alignment():
     scheduler = build_scheduler(
-        "default_dynamic_cp", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=256,
+        "default_dynamic_cp",
+        dp_size=2,
+        cp_size=2,
+        max_seqlen_per_dp_cp_rank=256,
         microbatch_group_size_per_vp_stage=3,
     )
     assert scheduler.schedule(lengths(3, 50, 1024)).num_microbatches % 3 == 0

@@ -1,8 +1,9 @@
-"""Run megatron-core 0.19.2 on a machine without CUDA (tests, CI, functional runs on CPU).
+"""Stand-ins that run megatron-core 0.19.2 on a machine without CUDA (tests, CI, CPU runs).
 
-Each shim names the megatron behaviour it corrects (see CPU_BACKEND.md, "What breaks on CPU"):
+They are installed by the patch table (``integration/patches/cpu.py``, group ``cpu_backend``),
+only when ``torch.cuda.is_available()`` is False; docs/cpu_backend.md explains each one:
 
-* ``_CudaToCpuMode``: rotary embeddings, the default causal mask, the pipeline schedules, p2p
+* ``CudaToCpuMode``: rotary embeddings, the default causal mask, the pipeline schedules, p2p
   communication and the DDP buffers allocate with ``device="cuda"`` / ``.cuda()`` /
   ``.to("cuda")``; a global ``TorchFunctionMode`` rewrites those devices to the CPU. It also drops
   ``pin_memory=True`` / ``tensor.pin_memory()`` (non-packed CP RoPE slicing,
@@ -15,8 +16,7 @@ Each shim names the megatron behaviour it corrects (see CPU_BACKEND.md, "What br
   CUDA generator (``torch.cuda.get_rng_state`` and megatron's ``_get_cuda_rng_state`` /
   ``_set_cuda_rng_state``); they are routed to the CPU default generator.
 
-Applied only when ``torch.cuda.is_available()`` is False; ``is_available`` itself is never faked
-(real megatron code paths switch on it). ``disable_cpu_backend`` undoes everything (for tests).
+``is_available`` itself is never faked (real megatron code paths switch on it).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-from megatron_dcp.integration.megatron_import import import_megatron_core
 
 _CPU = torch.device("cpu")
 
@@ -42,7 +40,7 @@ def _to_cpu_device(value: Any) -> Any:
     return _CPU if _is_cuda_device(value) else value
 
 
-class _CudaToCpuMode(TorchFunctionMode):
+class CudaToCpuMode(TorchFunctionMode):
     """Rewrites cuda devices to cpu in every torch call: ``device=`` keyword arguments, device
     positional arguments (``tensor.to("cuda")``) and ``tensor.cuda()``; no pinned memory."""
 
@@ -61,7 +59,7 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _DummyStream:
+class DummyStream:
     """CUDA stream stand-in: CPU work is already ordered, so waiting and syncing are no-ops."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -73,8 +71,8 @@ class _DummyStream:
     def wait_event(self, event: Any) -> None:
         """No-op: one implicit CPU stream."""
 
-    def record_event(self, event: Any = None) -> "_DummyEvent":
-        return event if event is not None else _DummyEvent()
+    def record_event(self, event: Any = None) -> "DummyEvent":
+        return event if event is not None else DummyEvent()
 
     def synchronize(self) -> None:
         """No-op: CPU ops have finished when they return."""
@@ -87,7 +85,7 @@ class _DummyStream:
         return (0, 0)
 
 
-class _DummyEvent:
+class DummyEvent:
     """CUDA event stand-in (no timing on CPU: ``elapsed_time`` is 0)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -109,100 +107,47 @@ class _DummyEvent:
         return 0.0
 
 
-_DEFAULT_STREAM = _DummyStream()
+_DEFAULT_STREAM = DummyStream()
 
 
-def _current_stream(device: Any = None) -> _DummyStream:
+def current_stream(device: Any = None) -> DummyStream:
     return _DEFAULT_STREAM
 
 
 @contextlib.contextmanager
-def _stream_context(stream: Any = None) -> Iterator[None]:
+def stream_context(stream: Any = None) -> Iterator[None]:
     yield
 
 
-def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+def cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def _set_cpu_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+def set_cpu_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     torch.set_rng_state(new_state)
 
 
-def _cpu_manual_seed(seed: int) -> None:
+def cpu_manual_seed(seed: int) -> None:
     # ``torch.manual_seed`` would call ``torch.cuda.manual_seed_all`` (patched) and recurse.
     torch.default_generator.manual_seed(int(seed))
 
 
-def _torch_cuda_patches() -> dict[str, Any]:
+def torch_cuda_stand_ins() -> dict[str, Any]:
+    """``torch.cuda`` attribute -> its CPU stand-in."""
     return {
         "current_device": lambda: "cpu",
         "synchronize": lambda device=None: None,
-        "Stream": _DummyStream,
-        "Event": _DummyEvent,
-        "current_stream": _current_stream,
-        "default_stream": _current_stream,
-        "stream": _stream_context,
-        "get_rng_state": _cpu_rng_state,
-        "set_rng_state": _set_cpu_rng_state,
-        "manual_seed": _cpu_manual_seed,
-        "manual_seed_all": _cpu_manual_seed,
+        "Stream": DummyStream,
+        "Event": DummyEvent,
+        "current_stream": current_stream,
+        "default_stream": current_stream,
+        "stream": stream_context,
+        "get_rng_state": cpu_rng_state,
+        "set_rng_state": set_cpu_rng_state,
+        "manual_seed": cpu_manual_seed,
+        "manual_seed_all": cpu_manual_seed,
     }
 
 
-def _megatron_random_patches() -> dict[str, Any]:
-    return {"_get_cuda_rng_state": _cpu_rng_state, "_set_cuda_rng_state": _set_cpu_rng_state}
-
-
-class _Backend:
-    """The active shims: the torch-function mode and the replaced attributes' originals."""
-
-    def __init__(self) -> None:
-        self.mode: Optional[_CudaToCpuMode] = None
-        self.originals: list[tuple[Any, str, Any]] = []
-
-    def patch(self, owner: Any, replacements: dict[str, Any]) -> None:
-        for name, value in replacements.items():
-            self.originals.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, value)
-
-    def restore(self) -> None:
-        for owner, name, value in reversed(self.originals):
-            setattr(owner, name, value)
-        self.originals.clear()
-
-
-_BACKEND = _Backend()
-
-
-def cpu_backend_enabled() -> bool:
-    """True while the CPU shims are active."""
-    return _BACKEND.mode is not None
-
-
-def enable_cpu_backend() -> bool:
-    """Install the CPU shims (idempotent). Returns True when they are active, False when CUDA is
-    available (nothing is changed then). Imports megatron.core (with its triton stand-in)."""
-    if torch.cuda.is_available():
-        return False
-    if cpu_backend_enabled():
-        return True
-    if not import_megatron_core():
-        raise ImportError("megatron.core is not importable; the CPU backend patches it")
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    _BACKEND.patch(torch.cuda, _torch_cuda_patches())
-    _BACKEND.patch(torch.cuda.random, {"get_rng_state": _cpu_rng_state})
-    _BACKEND.patch(megatron_random, _megatron_random_patches())
-    _BACKEND.mode = _CudaToCpuMode()
-    _BACKEND.mode.__enter__()
-    return True
-
-
-def disable_cpu_backend() -> None:
-    """Remove the CPU shims (idempotent). Must run on the thread that enabled them."""
-    if _BACKEND.mode is None:
-        return
-    _BACKEND.mode.__exit__(None, None, None)
-    _BACKEND.mode = None
-    _BACKEND.restore()
+def megatron_rng_stand_ins() -> dict[str, Any]:
+    return {"_get_cuda_rng_state": cpu_rng_state, "_set_cuda_rng_state": set_cpu_rng_state}

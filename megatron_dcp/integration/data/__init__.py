@@ -1,2 +1,3 @@
 """Variable-length training data for the DCP entry point: length distributions and lengths files
-(``lengths``) and megatron datasets of one sequence per sample (``datasets``)."""
+(``lengths``), the item every dataset yields (``samples``), mock data (``mock``), indexed documents
+(``indexed``), and the builder of the train/valid/test datasets from the flags (``datasets``)."""

@@ -1,2 +1,136 @@
-from megatron_dcp.integration.patches.dcp import *  # noqa: F401,F403  (temporary)
-from megatron_dcp.integration.patches.dcp import apply_patches, PATCHES  # noqa: F401
+"""The patch table: every change megatron_dcp makes to objects it does not own, in one place.
+
+Groups, applied by the functions below (each idempotent; each entry restorable):
+
+- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, TE attention);
+- ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
+- ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
+- ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
+- ``training``: Python 3.11 support for megatron.training and the DCP schedule hook.
+
+``python -m megatron_dcp.integration.patches`` prints the table. A test checks that no module
+outside this package assigns to an attribute of megatron (or of any other imported module).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Sequence, Tuple
+
+from megatron_dcp.integration.patches.cpu import CPU_BACKEND_PATCHES, CPU_TRAINING_PATCHES
+from megatron_dcp.integration.patches.dcp import (
+    DCP_PATCHES,
+    SOLO_GROUP,
+    micro_batch_cp_group,
+    swap_cp_group,
+    swap_mamba_context_parallel,
+    swap_pg_collection_cp,
+    switching,
+    te_attention_forward,
+)
+from megatron_dcp.integration.patches.pipeline import PIPELINE_PATCHES
+from megatron_dcp.integration.patches.table import (
+    Entry,
+    apply,
+    check_version,
+    is_applied,
+    megatron_version,
+    restore,
+)
+from megatron_dcp.integration.patches.training import TRAINING_PATCHES, use_schedule
+
+PATCHES: Tuple[Entry, ...] = (
+    *TRAINING_PATCHES,
+    *CPU_BACKEND_PATCHES,
+    *CPU_TRAINING_PATCHES,
+    *DCP_PATCHES,
+    *PIPELINE_PATCHES,
+)
+GROUPS = ("training", "cpu_backend", "cpu_training", "dcp", "pipeline")
+
+
+def entries(*groups: str) -> List[Entry]:
+    """The table's entries of ``groups`` (all when none is named), in application order."""
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise ValueError(f"unknown patch groups {sorted(unknown)}; the groups are {GROUPS}")
+    return [patch for patch in PATCHES if not groups or patch.group in groups]
+
+
+def apply_groups(groups: Sequence[str]) -> List[str]:
+    """Apply the entries of ``groups`` whose condition holds; the names applied by this call."""
+    return [patch.name for patch in entries(*groups) if apply(patch)]
+
+
+def restore_groups(groups: Sequence[str]) -> List[str]:
+    """Restore the applied entries of ``groups`` (reverse order); the names restored."""
+    return [patch.name for patch in reversed(entries(*groups)) if restore(patch)]
+
+
+def apply_patches() -> List[str]:
+    """The corrections DCP needs inside megatron-core (groups ``dcp`` and ``pipeline``)."""
+    return apply_groups(("dcp", "pipeline"))
+
+
+def enable_cpu_backend() -> bool:
+    """megatron-core without CUDA (group ``cpu_backend``); False, and nothing changed, when CUDA
+    is present."""
+    apply_groups(("cpu_backend",))
+    return cpu_backend_enabled()
+
+
+def cpu_backend_enabled() -> bool:
+    return is_applied(CPU_BACKEND_PATCHES[0])
+
+
+def disable_cpu_backend() -> None:
+    """Undo :func:`enable_cpu_backend` (on the thread that enabled it)."""
+    restore_groups(("cpu_backend",))
+
+
+def enable_cpu_training() -> bool:
+    """megatron.core and megatron.training without CUDA, and megatron.training on Python 3.11;
+    True when the CPU backend is active."""
+    apply_groups(("training", "cpu_backend", "cpu_training"))
+    if cpu_backend_enabled():
+        # Argument validation requires it for tp or cp > 1 (it orders CUDA kernel launches).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return cpu_backend_enabled()
+
+
+def describe() -> str:
+    """The table, one block per entry: name, group, condition, versions, targets, reason."""
+    blocks = []
+    for patch in PATCHES:
+        versions = ", ".join(f"{major}.{minor}" for major, minor in patch.versions)
+        blocks.append(
+            f"{patch.name} [{patch.group}; when {patch.when.name}; megatron-core {versions}]\n"
+            + "".join(f"  replaces {target}\n" for target in patch.targets)
+            + f"  corrects: {patch.corrects}"
+        )
+    return "\n\n".join(blocks)
+
+
+__all__ = [
+    "GROUPS",
+    "PATCHES",
+    "SOLO_GROUP",
+    "apply_groups",
+    "apply_patches",
+    "check_version",
+    "cpu_backend_enabled",
+    "describe",
+    "disable_cpu_backend",
+    "enable_cpu_backend",
+    "enable_cpu_training",
+    "entries",
+    "megatron_version",
+    "micro_batch_cp_group",
+    "restore_groups",
+    "swap_cp_group",
+    "swap_mamba_context_parallel",
+    "swap_pg_collection_cp",
+    "switching",
+    "te_attention_forward",
+    "use_schedule",
+]

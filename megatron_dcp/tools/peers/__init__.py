@@ -1,1 +1,2 @@
-"""Peer schedulers run by the simulator for comparison (the real upstream code, scored under our cost model)."""
+"""Peer schedulers run by the simulator for comparison (the real upstream code where it imports,
+scored under our cost model)."""

@@ -1,0 +1,252 @@
+"""The one DCP configuration: its command-line flags, its validation, and the translation of
+scheduling errors into the flags the user typed.
+
+:class:`DCPConfig` is built from megatron's parsed arguments (:meth:`DCPConfig.from_args`, the
+training entry point) or from keywords (:meth:`DCPConfig.for_model` and the constructor, the RL
+adapter and tests). Either way the same ``__post_init__`` validates it, before the first step,
+with ``ValueError``s that name the flag, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from megatron_dcp.runtime.packing import padding_multiple
+from megatron_dcp.scheduling import SCHEDULERS, CostModel, Scheduler, build_scheduler
+from megatron_dcp.scheduling.domain import is_power_of_two
+from megatron_dcp.scheduling.errors import SchedulingError
+
+DCP_FLAG = "--dynamic-context-parallel"
+MIN_CP_FLAG = "--min-dynamic-context-parallel-size"
+SCHEDULER_FLAG = "--sequence-packing-scheduler"
+BUDGET_FLAG = "--max-seqlen-per-dp-cp-rank"
+VPP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+DEFAULT_SCHEDULER = "default_dynamic_cp"
+
+# The training flags of the scheduling parameters that SchedulingErrors name.
+FLAGS = {
+    "budget": BUDGET_FLAG,
+    "min_cp_size": MIN_CP_FLAG,
+    "dp_size": "the data-parallel size",
+    "cp_size": "--context-parallel-size",
+    "vpp": VPP_FLAG,
+    "scheduler": SCHEDULER_FLAG,
+    "cost_model": "the cost model",
+    "batch": "a larger --global-batch-size",
+    "max_seqlen": "a smaller --seq-length",
+}
+
+
+def flag_error(error: SchedulingError) -> ValueError:
+    """A scheduling error worded for the training user (flags in place of parameters)."""
+    return ValueError(error.worded(FLAGS))
+
+
+def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """megatron ``extra_args_provider``: the DCP flags (upstream's names) and the data flags.
+    Scheduler choices are the registry's at the time the parser is built."""
+    group = parser.add_argument_group("dynamic context parallelism (megatron_dcp)")
+    group.add_argument(
+        DCP_FLAG,
+        action="store_true",
+        help="Plan every global batch: one CP group per sequence, balanced THD micro-batches.",
+    )
+    group.add_argument(
+        MIN_CP_FLAG, type=int, default=1, help="Smallest CP group size DCP may use (power of 2)."
+    )
+    group.add_argument(
+        SCHEDULER_FLAG,
+        default=None,
+        choices=sorted(SCHEDULERS),
+        help=f"Scheduler of DCP (default {DEFAULT_SCHEDULER}); dp_balanced is the static-CP "
+        "baseline.",
+    )
+    group.add_argument(
+        "--varlen-distribution",
+        default=None,
+        help="Mock variable-length data, e.g. 'lognormal:mean=1024,sigma=1.5,min=128,max=8192'.",
+    )
+    group.add_argument(
+        "--varlen-lengths-file",
+        default=None,
+        help="Mock data whose lengths are read from this file (one per line).",
+    )
+    return parser
+
+
+@dataclass(frozen=True)
+class DCPConfig:
+    """Everything DCP needs besides the model and the process groups, validated once.
+
+    ``cp_size`` is the static CP size (megatron's ``--context-parallel-size``): the domain of N
+    positions is ``N // cp_size`` DP replicas × ``cp_size``; ``tp_size`` and
+    ``sequence_parallel`` set the padding; ``microbatch_group_size_per_vp_stage`` is set under
+    interleaved VPP only (the plan's micro-batch count is its multiple).
+    """
+
+    max_seqlen_per_dp_cp_rank: int
+    scheduler: str = DEFAULT_SCHEDULER
+    min_cp_size: int = 1
+    cp_size: int = 1
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    cost_model: Optional[CostModel] = None
+
+    def __post_init__(self) -> None:
+        check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
+        check_scheduler(self.scheduler)
+        if not is_power_of_two(self.min_cp_size):
+            raise ValueError(
+                f"{MIN_CP_FLAG}={self.min_cp_size!r}: must be a power of two (1, 2, 4, ...) no "
+                "larger than data-parallel size × context-parallel size."
+            )
+        if self.cp_size < 1:
+            raise ValueError(f"--context-parallel-size={self.cp_size}: must be >= 1.")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DCPConfig":
+        """The configuration of a megatron.training run (its parsed, validated arguments)."""
+        if args.micro_batch_size != 1:
+            raise ValueError(
+                f"--micro-batch-size={args.micro_batch_size}: {DCP_FLAG} forms the micro-batches "
+                "itself; use --micro-batch-size 1 (--global-batch-size counts sequences)."
+            )
+        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        return cls(
+            max_seqlen_per_dp_cp_rank=args.max_seqlen_per_dp_cp_rank,
+            scheduler=args.sequence_packing_scheduler or DEFAULT_SCHEDULER,
+            min_cp_size=args.min_dynamic_context_parallel_size,
+            cp_size=args.context_parallel_size,
+            tp_size=args.tensor_model_parallel_size,
+            sequence_parallel=args.sequence_parallel,
+            microbatch_group_size_per_vp_stage=(
+                getattr(args, "microbatch_group_size_per_vp_stage", None) if vpp else None
+            ),
+        )
+
+    @classmethod
+    def for_model(
+        cls, config: Any, max_seqlen_per_dp_cp_rank: int, **overrides: Any
+    ) -> "DCPConfig":
+        """The configuration for a megatron model with TransformerConfig ``config`` (static CP,
+        TP, sequence parallelism and the VPP micro-batch group size are read from it)."""
+        values = dict(
+            max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
+            cp_size=config.context_parallel_size,
+            tp_size=config.tensor_model_parallel_size,
+            sequence_parallel=config.sequence_parallel,
+            microbatch_group_size_per_vp_stage=vpp_group_size(config),
+        )
+        return cls(**{**values, **overrides})
+
+    def with_model(self, config: Any) -> "DCPConfig":
+        """This configuration checked against the model it runs: the parallel sizes must agree
+        (the model's VPP micro-batch group size is taken when only the model knows it)."""
+        model = DCPConfig.for_model(config, self.max_seqlen_per_dp_cp_rank)
+        for name in ("cp_size", "tp_size", "sequence_parallel"):
+            if getattr(self, name) != getattr(model, name):
+                raise ValueError(
+                    f"DCPConfig.{name}={getattr(self, name)!r} but the model has "
+                    f"{getattr(model, name)!r}: build the DCPConfig with DCPConfig.for_model."
+                )
+        return replace(self, microbatch_group_size_per_vp_stage=model.vpp_group)
+
+    @property
+    def vpp_group(self) -> Optional[int]:
+        return self.microbatch_group_size_per_vp_stage
+
+    def pad_multiple(self, group_size: int) -> int:
+        """Every sequence of a CP group of ``group_size`` is padded to a multiple of this."""
+        return padding_multiple(group_size, self.tp_size, self.sequence_parallel)
+
+    def build_scheduler(self, domain_size: int) -> Scheduler:
+        """The scheduler over a DP×CP domain of ``domain_size`` positions; errors name flags."""
+        if domain_size < 1 or domain_size % self.cp_size:
+            raise ValueError(
+                f"domain_size={domain_size}: must be a positive multiple of the static "
+                f"--context-parallel-size={self.cp_size} (the DP×CP ranks)."
+            )
+        try:
+            return build_scheduler(
+                self.scheduler,
+                dp_size=domain_size // self.cp_size,
+                cp_size=self.cp_size,
+                max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
+                min_cp_size=self.min_cp_size,
+                microbatch_group_size_per_vp_stage=self.vpp_group,
+                cost_model=self.cost_model,
+            )
+        except SchedulingError as error:
+            raise flag_error(error) from None
+
+
+def vpp_group_size(config: Any) -> Optional[int]:
+    """The number the plan's micro-batch count must be a multiple of under interleaved VPP
+    (megatron's ``microbatch_group_size_per_vp_stage``); None without VPP."""
+    if getattr(config, "virtual_pipeline_model_parallel_size", None):
+        return config.microbatch_group_size_per_vp_stage
+    return None
+
+
+def check_scheduler(name: str) -> None:
+    """``name`` is registered (any subclass of ``Scheduler`` with a name may be chosen)."""
+    if name not in SCHEDULERS:
+        raise ValueError(
+            f"{SCHEDULER_FLAG}={name!r} is not a registered scheduler: choose one of "
+            f"{', '.join(sorted(SCHEDULERS))} (or leave it out for {DEFAULT_SCHEDULER})."
+        )
+
+
+def check_budget(budget: Optional[int], tp_size: int, sequence_parallel: bool) -> None:
+    """``--max-seqlen-per-dp-cp-rank`` must be set, and a multiple of the per-rank padding unit
+    (every sequence is padded to a multiple of 2 × CP size, × TP size under sequence
+    parallelism), so that a sequence of exactly CP size × budget tokens needs no padding beyond
+    its group's budget."""
+    unit = 2 * (tp_size if sequence_parallel else 1)
+    if not isinstance(budget, int) or budget <= 0 or budget % unit:
+        raise ValueError(
+            f"{BUDGET_FLAG}={budget!r}: {DCP_FLAG} needs a positive per-rank token budget that "
+            f"is a multiple of {unit} (sequences are padded to 2 × CP size"
+            f"{' × TP size under --sequence-parallel' if unit > 2 else ''}); e.g. "
+            f"{BUDGET_FLAG} 4096."
+        )
+
+
+def check_model_config(config: Any, te_available: Optional[bool] = None) -> None:
+    """Reject model settings DCP cannot run with (``config`` is a megatron TransformerConfig)."""
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            f"{DCP_FLAG} needs --calculate-per-token-loss (calculate_per_token_loss=False): "
+            "ranks run different CP groups and micro-batch sizes, so only sums of per-token "
+            "losses divided by the global token count give the right gradient. Add "
+            "--calculate-per-token-loss."
+        )
+    if getattr(config, "hybrid_context_parallel", False):
+        raise ValueError(
+            f"{DCP_FLAG} and --hybrid-context-parallel (megatron's own scheduler) exclude each "
+            "other: remove --hybrid-context-parallel."
+        )
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError(
+            f"{DCP_FLAG} does not support multi-latent attention (--multi-latent-attention): "
+            "MLA's THD context-parallel path in megatron-core 0.19 ignores per-micro-batch CP "
+            "groups. Use standard attention or static context parallelism."
+        )
+    if config.sequence_parallel and not _te_available(te_available):
+        raise ValueError(
+            f"{DCP_FLAG} with --sequence-parallel needs Transformer Engine norms and linear "
+            "layers (--transformer-impl transformer_engine); the local implementation does not "
+            "support sequence parallelism with packed sequences. Install the 'te' extra or drop "
+            "--sequence-parallel."
+        )
+
+
+def _te_available(te_available: Optional[bool]) -> bool:
+    if te_available is not None:
+        return te_available
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)

@@ -1,0 +1,135 @@
+"""Mock variable-length data: random tokens with per-sample lengths from a :class:`LengthSampler`,
+either a distribution spec (``--varlen-distribution``) or a lengths file
+(``--varlen-lengths-file``)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Protocol, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from megatron_dcp.integration.data.lengths import (
+    Distribution,
+    parse_distribution,
+    read_lengths,
+    renamed,
+)
+from megatron_dcp.integration.data.samples import (
+    Sample,
+    check_index,
+    make_sample,
+    megatron_split,
+    stable_seed,
+)
+
+DISTRIBUTION_FLAG = "--varlen-distribution"
+LENGTHS_FILE_FLAG = "--varlen-lengths-file"
+
+
+class LengthSampler(Protocol):
+    """Gives the length of sample ``index``; ``rng`` is seeded from (seed, split, index)."""
+
+    def length(self, index: int, rng: random.Random) -> int: ...
+
+
+@dataclass(frozen=True)
+class DistributionLengths:
+    """Lengths drawn from a parsed distribution spec, one fresh draw per sample."""
+
+    distribution: Distribution
+    spec: str
+
+    def length(self, index: int, rng: random.Random) -> int:
+        return self.distribution.draw(rng)
+
+
+@dataclass(frozen=True)
+class FileLengths:
+    """Lengths read from a file, cycled: sample ``i`` has ``lengths[i % len(lengths)]``."""
+
+    lengths: Tuple[int, ...]
+    path: str
+
+    def length(self, index: int, rng: random.Random) -> int:
+        return self.lengths[index % len(self.lengths)]
+
+
+def parse_length_distribution(spec: str) -> DistributionLengths:
+    """Parse a ``--varlen-distribution`` spec (syntax of ``integration.data.lengths``)."""
+    try:
+        distribution = parse_distribution(spec)
+    except ValueError as error:
+        raise renamed(error, DISTRIBUTION_FLAG) from None
+    return DistributionLengths(distribution, spec)
+
+
+def _first_zero_line(path: str) -> Optional[Tuple[int, str]]:
+    """(line number, text) of the first length 0 in a lengths file, None when there is none."""
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        text = line.split("#", 1)[0].strip()
+        if text and int(text) == 0:
+            return number, text
+    return None
+
+
+def lengths_from_file(path: str) -> FileLengths:
+    """Read a ``--varlen-lengths-file``: one positive length a line, ``#`` comments allowed."""
+    try:
+        lengths = read_lengths(path)
+    except ValueError as error:
+        raise renamed(error, LENGTHS_FILE_FLAG) from None
+    zero = _first_zero_line(path) if 0 in lengths else None
+    if zero is not None:
+        raise ValueError(
+            f"{LENGTHS_FILE_FLAG}={path!r}: line {zero[0]} reads {zero[1]!r}; a sequence needs "
+            f"at least 1 token: write a positive length or delete the line."
+        )
+    return FileLengths(tuple(lengths), path)
+
+
+class VarlenMockDataset(Dataset):
+    """Random tokens in ``[1, vocab_size)`` with per-sample lengths from a :class:`LengthSampler`.
+
+    Sample ``i`` is a pure function of ``(seed, split_name, i)``; ``max_length`` (usually
+    ``--seq-length``) truncates longer draws. ``split`` is megatron's ``Split`` member.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        lengths: LengthSampler,
+        vocab_size: int,
+        seed: int,
+        max_length: Optional[int] = None,
+        split: str = "train",
+    ) -> None:
+        assert num_samples >= 0 and vocab_size >= 2, (num_samples, vocab_size)
+        assert max_length is None or max_length >= 1, max_length
+        self.num_samples = num_samples
+        self.lengths = lengths
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.max_length = max_length
+        self.split_name = split
+        self.split = megatron_split(split)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sequence_length(self, index: int) -> int:
+        """L of sample ``index``, without generating its tokens."""
+        index = check_index(index, self.num_samples)
+        rng = random.Random(stable_seed("varlen-length", self.seed, self.split_name, index))
+        length = max(1, self.lengths.length(index, rng))
+        return length if self.max_length is None else min(length, self.max_length)
+
+    def __getitem__(self, index: int) -> Sample:
+        length = self.sequence_length(index)
+        rng = np.random.default_rng(stable_seed("varlen-tokens", self.seed, self.split_name, index))
+        sequence = rng.integers(1, self.vocab_size, size=length + 1, dtype=np.int64)
+        return make_sample(torch.from_numpy(sequence))

@@ -1,0 +1,76 @@
+"""What every step of ``default_dynamic_cp`` shares: the domain, the cost model and memoised
+per-rank costs (:class:`Context`), and the draft micro-batch type :data:`Row`."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+from megatron_dcp.scheduling.buddy import BuddyAllocator
+from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.draft import GroupDraft, Item
+
+# Relative slack of float comparisons of loads.
+EPS = 1e-9
+
+# One micro-batch under construction: its groups.
+Row = List[GroupDraft]
+
+
+class CostTable(dict):
+    """Per-rank costs keyed by (length, CP size), computed on first use (the hot path)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        super().__init__()
+        self.cost = cost
+
+    def __missing__(self, key: Tuple[int, int]) -> float:
+        value = self[key] = self.cost.per_rank(*key)
+        return value
+
+
+class Context:
+    """What every step needs: the domain, the cost model, and memoised costs: ``per_rank[(L,
+    c)]`` and ``work[L]`` (least total work of a length-L sample, filled by :meth:`min_work`)."""
+
+    def __init__(self, domain: Domain, cost: CostModel) -> None:
+        self.domain, self.cost = domain, cost
+        self.per_rank = CostTable(cost)
+        self.work: Dict[int, float] = {}
+        self._sizes: Dict[int, Tuple[int, ...]] = {}
+        self._openable: Dict[int, bool] = {}
+
+    def load(self, seqlen: int, size: int) -> float:
+        """Per-rank cost of a sequence of ``seqlen`` tokens on ``size`` ranks."""
+        return self.per_rank[seqlen, size]
+
+    def min_work(self, item: Item) -> float:
+        """Least total cost of ``item``: at its minimum CP size (which its length determines)."""
+        value = self.work.get(item.seqlen)
+        if value is None:
+            value = self.work[item.seqlen] = self.per_rank[item.seqlen, item.min_cp] * item.min_cp
+        return value
+
+    def works(self, items: Sequence[Item]) -> Dict[int, float]:
+        """``work``, filled for ``items`` (so hot loops may index it by length)."""
+        for item in items:
+            if item.seqlen not in self.work:
+                self.min_work(item)
+        return self.work
+
+    def sizes_from(self, min_cp: int) -> Tuple[int, ...]:
+        """The CP group sizes ≥ ``min_cp``, ascending."""
+        sizes = self._sizes.get(min_cp)
+        if sizes is None:
+            sizes = self._sizes[min_cp] = tuple(s for s in self.domain.group_sizes if s >= min_cp)
+        return sizes
+
+    def openable(self, size: int) -> bool:
+        """True when an empty micro-batch can hold a group of ``size`` ranks."""
+        if size not in self._openable:
+            self._openable[size] = BuddyAllocator(self.domain).can_allocate(size)
+        return self._openable[size]
+
+    def room(self, group: GroupDraft) -> int:
+        """Tokens ``group`` can still take within the budget."""
+        return group.size * self.domain.budget - group.tokens

@@ -1,0 +1,141 @@
+"""``MicroBatchBuilder``: step 3 of ``default_dynamic_cp`` at the level of one micro-batch. It
+opens the micro-batch with its heaviest sample, then places the others on fresh blocks or on the
+least-loaded group where they fit under the level (one heap of groups per CP size)."""
+
+from __future__ import annotations
+
+import heapq
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_dcp.scheduling.buddy import BuddyAllocator
+from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.dynamic_cp_context import EPS, Context, Row
+
+# A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free).
+FAIL_LIMIT = 48
+# Groups skipped per CP size when the least-loaded ones lack token room for a sample.
+SKIP_LIMIT = 8
+
+HeapEntry = Tuple[float, int, GroupDraft]
+
+
+class MicroBatchBuilder:
+    """One micro-batch under construction: its groups (a heap of them per CP size, least-loaded
+    on top), its free blocks, and its level (the per-rank cost no sample may push a group past)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.free = BuddyAllocator(ctx.domain)
+        self.groups: Row = []
+        self.heaps: Dict[int, List[HeapEntry]] = {}
+        self.sizes: List[int] = []  # the keys of ``heaps``, ascending
+        self.level = 0.0
+        self.shortest = 0  # the shortest sample still to place: groups with less room are full
+        # Placements (group, sample, load, fresh) recorded for :meth:`undo` when not None.
+        self.journal: Optional[List[Tuple[GroupDraft, Item, float, bool]]] = None
+
+    def open(self, item: Item, size: int, floor: float) -> None:
+        """Place the first sample on a fresh group of ``size`` ranks; the level is its cost or
+        ``floor``, whichever is higher."""
+        self._add_group(item, size)
+        self.level = max(self.groups[0].load, floor) * (1 + EPS)
+
+    def fill_from(self, pool: Sequence[Item]) -> List[Item]:
+        """Place what fits of ``pool`` (heaviest first), then top up lightest first; returns the
+        samples not placed, in pool order."""
+        taken = [False] * len(pool)
+        self.shortest = min((item.seqlen for item in pool), default=0)
+        resume = self._pass(pool, range(len(pool)), taken)
+        self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
+        return [item for item, was_taken in zip(pool, taken) if not was_taken]
+
+    def _pass(self, pool: Sequence[Item], order: range, taken: List[bool]) -> int:
+        """Try the samples of ``pool`` in ``order``; returns the first index not tried (a pass
+        ends after ``FAIL_LIMIT`` consecutive misses once no rank is free)."""
+        misses = 0
+        for index in order:
+            if taken[index]:
+                continue
+            if self.place(pool[index]):
+                taken[index], misses = True, 0
+            elif not self.free.free:
+                misses += 1
+                if misses >= FAIL_LIMIT:
+                    return index + 1
+        return order.stop if order.step > 0 else len(pool)
+
+    def place(self, item: Item) -> bool:
+        """Put ``item`` on a fresh block of the smallest size whose cost fits under the level,
+        else on the least-loaded group where it fits; False when it fits nowhere."""
+        return self._place_fresh(item) or self._join(item)
+
+    def undo(self) -> None:
+        """Take back the placements recorded in the journal (the heaps are not kept: call only
+        when no more samples will be placed)."""
+        for group, item, load, fresh in reversed(self.journal or []):
+            group.pop(item, load)
+            if fresh:
+                self.groups.remove(group)
+                self.free.free.append(group.block)
+        self.journal = None
+
+    def _place_fresh(self, item: Item) -> bool:
+        if not self.free.free:
+            return False
+        per_rank = self.ctx.per_rank
+        for size in self.ctx.sizes_from(item.min_cp):
+            if per_rank[item.seqlen, size] <= self.level and self.free.can_allocate(size):
+                self._add_group(item, size)
+                return True
+        return False
+
+    def _join(self, item: Item) -> bool:
+        """Add ``item`` to the group where its resulting load is least and within the level."""
+        best_total, best_size = self.level, 0
+        skipped: List[Tuple[int, HeapEntry]] = []
+        seqlen, budget, per_rank = item.seqlen, self.ctx.domain.budget, self.ctx.per_rank
+        for size in self.sizes:
+            heap = self.heaps[size]
+            if size < item.min_cp or not heap:
+                continue
+            if heap[0][2].tokens > size * budget - seqlen:
+                self._skip_full(heap, size, seqlen, skipped)
+                if not heap or heap[0][2].tokens > size * budget - seqlen:
+                    continue
+            total = heap[0][0] + per_rank[seqlen, size]
+            if total < best_total or (total == best_total and not best_size):
+                best_total, best_size = total, size
+        if best_size:
+            heap = self.heaps[best_size]
+            group = heapq.heappop(heap)[2]
+            group.push(item, per_rank[seqlen, best_size])
+            heapq.heappush(heap, (group.load, group.block.start, group))
+            if self.journal is not None:
+                self.journal.append((group, item, per_rank[seqlen, best_size], False))
+        for size, entry in skipped:  # groups too full for any sample of the pool leave the heap
+            if size * budget - entry[2].tokens >= self.shortest:
+                heapq.heappush(self.heaps[size], entry)
+        return bool(best_size)
+
+    def _skip_full(
+        self, heap: List[HeapEntry], size: int, seqlen: int, skipped: List[Tuple[int, HeapEntry]]
+    ) -> None:
+        """Pop (into ``skipped``) up to ``SKIP_LIMIT`` least-loaded groups without token room."""
+        limit = size * self.ctx.domain.budget - seqlen
+        for _ in range(SKIP_LIMIT):
+            if not heap or heap[0][2].tokens <= limit:
+                return
+            skipped.append((size, heapq.heappop(heap)))
+
+    def _add_group(self, item: Item, size: int) -> None:
+        block = self.free.allocate(size)
+        assert block is not None, f"no free block of {size} ranks"
+        group = GroupDraft(block)
+        group.push(item, self.ctx.load(item.seqlen, size))
+        self.groups.append(group)
+        if self.journal is not None:
+            self.journal.append((group, item, group.load, True))
+        if size not in self.heaps:
+            self.heaps[size] = []
+            self.sizes = sorted(self.heaps)
+        heapq.heappush(self.heaps[size], (group.load, block.start, group))

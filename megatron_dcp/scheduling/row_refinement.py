@@ -1,0 +1,127 @@
+"""Steps 4 and 5 of ``default_dynamic_cp``, which refine one micro-batch (a row of groups):
+``fill_empty_ranks`` leaves no rank idle, ``rebalance_row`` lowers the most-loaded group."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from megatron_dcp.scheduling.buddy import BuddyAllocator, contains, parent_block
+from megatron_dcp.scheduling.domain import Block
+from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.dynamic_cp_context import EPS, Context, Row
+
+# rebalance_row: moves per micro-batch, samples of the top group and partners examined.
+REBALANCE_STEPS = 8
+REBALANCE_ITEMS = 12
+REBALANCE_PARTNERS = 4
+
+
+def fill_empty_ranks(
+    ctx: Context, groups: Row, free: BuddyAllocator, spare: Optional[List[Item]] = None
+) -> None:
+    """Step 4: no rank may be idle. Each free block (smallest first) takes the sample whose move
+    from a group holding several leaves the lowest load, else the lightest fitting sample of
+    ``spare`` (removed from it), else it and its neighbouring groups merge into one group over
+    the parent block."""
+    while free.free:
+        block = min(free.free, key=lambda b: (b.size, b.start))
+        free.free.remove(block)
+        item = take_donor(ctx, groups, block) or take_spare(ctx, spare or [], block)
+        if item is not None:
+            group = GroupDraft(block)
+            group.push(item, ctx.load(item.seqlen, block.size))
+            groups.append(group)
+        else:
+            merge_into_parent(ctx, groups, free, block)
+
+
+def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:
+    """Remove and return the last (lightest, for a heaviest-first list) sample of ``spare`` that
+    fits ``block``; None when none does."""
+    for index in range(len(spare) - 1, -1, -1):
+        item = spare[index]
+        if item.min_cp <= block.size and item.seqlen <= block.size * ctx.domain.budget:
+            return spare.pop(index)
+    return None
+
+
+def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
+    """Remove and return the sample whose move into ``block`` leaves the smallest maximum of the
+    two loads, among groups holding several samples; None when no group can spare one."""
+    best: Optional[Tuple[Tuple[float, int, int], GroupDraft, Item]] = None
+    for group in groups:
+        if len(group.items) < 2:
+            continue
+        for item in group.items:
+            if item.min_cp > block.size or item.seqlen > block.size * ctx.domain.budget:
+                continue
+            remaining = group.load - ctx.load(item.seqlen, group.size)
+            peak = max(remaining, ctx.load(item.seqlen, block.size))
+            key = (peak, group.block.start, item.sample_id)
+            if best is None or key < best[0]:
+                best = (key, group, item)
+    if best is None:
+        return None
+    _, group, item = best
+    group.pop(item, ctx.load(item.seqlen, group.size))
+    return item
+
+
+def merge_into_parent(ctx: Context, groups: Row, free: BuddyAllocator, block: Block) -> None:
+    """Replace ``block``'s parent subtree (groups and free blocks) by one group over the parent,
+    or by one free block when the subtree holds no group (buddies freed separately)."""
+    parent = parent_block(ctx.domain, block)
+    inside = sorted((g for g in groups if contains(parent, g.block)), key=lambda g: g.block.start)
+    free.free = [b for b in free.free if not contains(parent, b)]
+    if not inside:
+        free.free.append(parent)
+        return
+    merged = GroupDraft(parent)
+    for group in inside:
+        groups.remove(group)
+        for item in group.items:
+            merged.push(item, ctx.load(item.seqlen, parent.size))
+    groups.append(merged)
+
+
+def rebalance_row(ctx: Context, row: Row) -> None:
+    """Step 5: move a sample from the most-loaded group to one of the lightest groups while that
+    lowers the larger of the two loads (at most ``REBALANCE_STEPS`` moves)."""
+    for _ in range(REBALANCE_STEPS):
+        ordered = sorted(row, key=lambda g: (g.load, g.block.start))
+        top, partners = ordered[-1], ordered[:REBALANCE_PARTNERS]
+        move = best_move(ctx, top, [g for g in partners if g is not top])
+        if move is None:
+            return
+        item, partner = move
+        top.pop(item, ctx.load(item.seqlen, top.size))
+        partner.push(item, ctx.load(item.seqlen, partner.size))
+
+
+def best_move(
+    ctx: Context, top: GroupDraft, partners: Sequence[GroupDraft]
+) -> Optional[Tuple[Item, GroupDraft]]:
+    """The (sample of ``top``, partner) move that lowers max(top, partner) the most; None if none
+    does. ``top`` keeps at least one sample; at most ``REBALANCE_ITEMS`` samples are examined."""
+    if len(top.items) < 2:
+        return None
+    best, best_peak = None, top.load * (1 - EPS)
+    for item in spread(top.items, REBALANCE_ITEMS):
+        for partner in partners:
+            if item.min_cp > partner.size or ctx.room(partner) < item.seqlen:
+                continue
+            peak = max(
+                top.load - ctx.load(item.seqlen, top.size),
+                partner.load + ctx.load(item.seqlen, partner.size),
+            )
+            if peak < best_peak:
+                best, best_peak = (item, partner), peak
+    return best
+
+
+def spread(items: Sequence[Item], count: int) -> List[Item]:
+    """At most ``count`` of ``items``, evenly spaced in their current order."""
+    if len(items) <= count:
+        return list(items)
+    step = len(items) / count
+    return [items[int(k * step)] for k in range(count)]

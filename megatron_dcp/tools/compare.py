@@ -1,0 +1,214 @@
+"""Running schedulers side by side on one workload (shared by ``simulate`` and ``benchmark``):
+the simulated domain (:class:`DomainSpec`), one scheduler's :class:`SchedulerResult`, all of them
+as a :class:`Comparison`, and its table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from megatron_dcp.scheduling import CostModel, build_cost_model, build_scheduler
+from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.tools.cli import error_message
+from megatron_dcp.tools.plot import Panel, plan_panel
+from megatron_dcp.tools.simulator import Report, report, timed_schedule
+from megatron_dcp.tools.workloads import summarize
+
+# The name that selects megatron-core's hybrid-CP scheduler (the peer) among ours.
+PEER_ALIAS = "megatron"
+
+
+@dataclass(frozen=True)
+class DomainSpec:
+    """The simulated domain (dp, cp, budget, min CP, VPP) shared by every scheduler of one run."""
+
+    dp_size: int
+    cp_size: int
+    budget: int
+    min_cp_size: int = 1
+    vpp: Optional[int] = None
+
+    def domain(self) -> Domain:
+        """The validated domain (raises ValueError on bad settings)."""
+        return Domain(self.dp_size, self.cp_size, self.budget, self.min_cp_size)
+
+    def describe(self) -> str:
+        """One line for table headers."""
+        n = self.dp_size * self.cp_size
+        extra = f", min CP {self.min_cp_size}" if self.min_cp_size > 1 else ""
+        extra += f", VPP group {self.vpp}" if self.vpp else ""
+        return f"dp {self.dp_size} × cp {self.cp_size} (N={n}), budget {self.budget}{extra}"
+
+
+@dataclass
+class SchedulerResult:
+    """One scheduler's result: a report, or the reason there is none."""
+
+    scheduler: str
+    report: Optional[Report] = None
+    note: str = ""
+    omitted: bool = False
+    panel: Optional[Panel] = None
+
+    def as_dict(self) -> Dict[str, Any]:
+        if self.report is not None:
+            return self.report.as_dict()
+        return {"scheduler": self.scheduler, "error": self.note, "omitted": self.omitted}
+
+
+@dataclass
+class Comparison:
+    """All schedulers on one workload under one cost model."""
+
+    title: str
+    spec: DomainSpec
+    cost_model: str
+    lengths: List[int]
+    results: List[SchedulerResult] = field(default_factory=list)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "workload": self.title,
+            "layout": self.spec.__dict__,
+            "cost_model": self.cost_model,
+            "num_sequences": len(self.lengths),
+            "total_tokens": sum(self.lengths),
+            "results": [result.as_dict() for result in self.results],
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Running schedulers
+
+
+def run_ours(
+    name: str, lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool
+) -> SchedulerResult:
+    """Schedule with a registered scheduler; a ValueError (e.g. a sequence too long) -> n/a."""
+    try:
+        scheduler = build_scheduler(
+            name,
+            dp_size=spec.dp_size,
+            cp_size=spec.cp_size,
+            max_seqlen_per_dp_cp_rank=spec.budget,
+            min_cp_size=spec.min_cp_size,
+            microbatch_group_size_per_vp_stage=spec.vpp,
+            cost_model=cost,
+        )
+        plan, elapsed = timed_schedule(scheduler, lengths)
+    except ValueError as error:
+        return SchedulerResult(name, note=error_message(error))
+    plan_report = report(name, plan, cost, elapsed)
+    drawn = plan_panel(plan, cost, plan_report) if panel else None
+    return SchedulerResult(name, plan_report, panel=drawn)
+
+
+def run_peer(
+    lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool
+) -> SchedulerResult:
+    """megatron-core's hybrid-CP scheduler; omitted (with a note) when megatron is missing."""
+    from megatron_dcp.tools.peers import megatron_hybrid_cp as peer
+
+    domain = spec.domain()
+    try:
+        peer_report, schedule = peer.simulate_peer(lengths, domain, cost)
+    except peer.PeerUnavailable as error:
+        return SchedulerResult(peer.PEER_NAME, note=f"omitted: {error}", omitted=True)
+    except Exception as error:  # noqa: BLE001  third-party code: report it, never crash the CLI
+        return SchedulerResult(peer.PEER_NAME, note=f"{type(error).__name__}: {error}")
+    drawn = peer.peer_panel(schedule, domain, cost, peer_report) if panel else None
+    return SchedulerResult(peer.PEER_NAME, peer_report, panel=drawn)
+
+
+def run_scheduler(
+    name: str, lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool = False
+) -> SchedulerResult:
+    """A registered scheduler, or the megatron peer for :data:`PEER_ALIAS`."""
+    if name == PEER_ALIAS:
+        return run_peer(lengths, spec, cost, panel)
+    return run_ours(name, lengths, spec, cost, panel)
+
+
+def evaluate(
+    title: str,
+    lengths: List[int],
+    spec: DomainSpec,
+    cost_name: str,
+    schedulers: Sequence[str],
+    panels: bool = False,
+) -> Comparison:
+    """Every scheduler of ``schedulers`` on one workload under one cost model."""
+    cost = build_cost_model(cost_name)
+    comparison = Comparison(title, spec, cost_name, lengths)
+    for name in schedulers:
+        comparison.results.append(run_scheduler(name, lengths, spec, cost, panels))
+    return comparison
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> str:
+    """Columns padded to their widest cell; ``align`` has one 'l' or 'r' per column."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for cells in [header, *rows]:
+        padded = [
+            cell.ljust(w) if side == "l" else cell.rjust(w)
+            for cell, w, side in zip(cells, widths, align)
+        ]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def format_histogram(histogram: Dict[int, int]) -> str:
+    """``{1: 32, 2: 5}`` -> ``1:32 2:5`` (CP size: number of sequences)."""
+    return " ".join(f"{size}:{count}" for size, count in sorted(histogram.items()))
+
+
+def report_cells(plan_report: Report) -> List[str]:
+    """One table row; the peer's micro-batches are its forward passes, with its group count."""
+    microbatches = str(plan_report.num_microbatches)
+    if plan_report.num_groups is not None:
+        microbatches += f" ({plan_report.num_groups} groups)"
+    return [
+        plan_report.scheduler,
+        f"{plan_report.critical_path:.3e}",
+        f"{plan_report.ratio:.3f}",
+        microbatches,
+        f"{plan_report.max_tokens_per_rank:.0f}",
+        f"{plan_report.mean_tokens_per_rank:.0f}",
+        format_histogram(plan_report.cp_size_histogram),
+        f"{plan_report.plan_time_s * 1e3:.1f}",
+    ]
+
+
+RESULT_HEADER = (
+    "scheduler",
+    "critical path",
+    "CP/LB",
+    "micro-batches",
+    "max tok/rank",
+    "mean tok/rank",
+    "CP sizes (size:seqs)",
+    "plan ms",
+)
+
+
+def format_comparison(comparison: Comparison) -> str:
+    """The workload header, the table, then the n/a and omitted rows as notes."""
+    lines = [
+        f"== {comparison.title} | {comparison.spec.describe()} "
+        f"| cost model '{comparison.cost_model}'",
+        f"   {summarize(comparison.lengths)}",
+    ]
+    reports = [result.report for result in comparison.results if result.report is not None]
+    if reports:
+        lines.append(f"   lower bound {reports[0].lower_bound:.3e}")
+        lines.append(render_table(RESULT_HEADER, [report_cells(r) for r in reports], "lrrrrrlr"))
+    for result in comparison.results:
+        if result.report is None:
+            prefix = "note" if result.omitted else "n/a "
+            lines.append(f"{prefix}  {result.scheduler}: {result.note}")
+    return "\n".join(lines)

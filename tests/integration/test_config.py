@@ -1,0 +1,135 @@
+"""The one DCP configuration: start-up validation (each unsupported setting is a ValueError
+naming the flag and the fix), scheduler choices from the registry, and scheduling errors worded
+for each layer (scheduling parameters, training flags, simulator flags)."""
+
+from argparse import ArgumentParser
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dcp.integration.config import (
+    DCPConfig,
+    add_dcp_args,
+    check_budget,
+    check_model_config,
+    flag_error,
+)
+from megatron_dcp.scheduling import SCHEDULERS, build_scheduler
+from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
+from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.tools.cli import error_message
+
+GOOD = dict(
+    calculate_per_token_loss=True,
+    hybrid_context_parallel=False,
+    multi_latent_attention=False,
+    sequence_parallel=False,
+)
+
+
+def config(**overrides):
+    return SimpleNamespace(**{**GOOD, **overrides})
+
+
+def test_a_supported_config_passes():
+    check_model_config(config(), te_available=False)
+    check_model_config(config(sequence_parallel=True), te_available=True)
+
+
+@pytest.mark.parametrize(
+    "overrides,te,flag",
+    [
+        (dict(calculate_per_token_loss=False), False, "--calculate-per-token-loss"),
+        (dict(hybrid_context_parallel=True), False, "--hybrid-context-parallel"),
+        (dict(multi_latent_attention=True), False, "--multi-latent-attention"),
+        (dict(sequence_parallel=True), False, "--sequence-parallel"),
+    ],
+)
+def test_unsupported_model_settings_are_rejected(overrides, te, flag):
+    with pytest.raises(ValueError, match=flag):
+        check_model_config(config(**overrides), te_available=te)
+
+
+def test_scheduler_defaults_to_dcp_and_rejects_unknown_names():
+    assert DCPConfig(max_seqlen_per_dp_cp_rank=8).scheduler == "default_dynamic_cp"
+    assert DCPConfig(max_seqlen_per_dp_cp_rank=8, scheduler="dp_balanced").scheduler
+    with pytest.raises(ValueError, match="--sequence-packing-scheduler='fifo'"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, scheduler="fifo")
+
+
+@pytest.mark.parametrize(
+    "budget,tp,sp", [(None, 1, False), (0, 1, False), (7, 1, False), (6, 4, True)]
+)
+def test_budget_must_be_set_and_a_multiple_of_the_padding_unit(budget, tp, sp):
+    with pytest.raises(ValueError, match="--max-seqlen-per-dp-cp-rank"):
+        check_budget(budget, tp, sp)
+    with pytest.raises(ValueError, match="--max-seqlen-per-dp-cp-rank"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=budget, tp_size=tp, sequence_parallel=sp)
+
+
+def test_budget_accepts_multiples_of_the_padding_unit():
+    assert DCPConfig(max_seqlen_per_dp_cp_rank=4096).pad_multiple(4) == 8
+    assert DCPConfig(max_seqlen_per_dp_cp_rank=8, tp_size=4, sequence_parallel=True)
+
+
+@pytest.fixture
+def registered_scheduler():
+    """A scheduler registered for one test only (the registry is global)."""
+
+    class EveryRankItsOwn(DPBalancedScheduler, name="test_every_rank_its_own"):
+        """dp_balanced under another name: what a user's plug-in scheduler looks like."""
+
+    yield EveryRankItsOwn
+    SCHEDULERS.pop("test_every_rank_its_own")
+
+
+def test_a_registered_scheduler_can_be_chosen_from_the_command_line(registered_scheduler):
+    flags = [
+        "--dynamic-context-parallel",
+        "--sequence-packing-scheduler",
+        registered_scheduler.name,
+    ]
+    parsed = add_dcp_args(ArgumentParser()).parse_args(flags)
+    args = SimpleNamespace(
+        **vars(parsed),
+        micro_batch_size=1,
+        max_seqlen_per_dp_cp_rank=64,
+        context_parallel_size=2,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+    )
+    dcp = DCPConfig.from_args(args)
+    assert isinstance(dcp.build_scheduler(4), registered_scheduler)
+    with pytest.raises(SystemExit):  # argparse: not a registered choice
+        add_dcp_args(ArgumentParser()).parse_args(["--sequence-packing-scheduler", "fifo"])
+
+
+def too_long_error() -> SchedulingError:
+    scheduler = build_scheduler(
+        "default_dynamic_cp", dp_size=2, cp_size=2, max_seqlen_per_dp_cp_rank=8
+    )
+    with pytest.raises(SchedulingError) as info:
+        scheduler.schedule([5, 100])
+    return info.value
+
+
+def test_one_scheduling_error_worded_for_each_layer():
+    error = too_long_error()
+    assert str(error).startswith("budget=8: sample 1 has 100 tokens")
+    assert "Raise budget to at least 25" in str(error) and "--" not in str(error)
+    training = str(flag_error(error))
+    assert training.startswith("--max-seqlen-per-dp-cp-rank=8: sample 1 has 100 tokens")
+    assert "Raise --max-seqlen-per-dp-cp-rank to at least 25" in training
+    assert "a smaller --seq-length" in training
+    assert error_message(error).startswith("--max-seqlen-per-dp-cp-rank=8: sample 1")
+
+
+def test_config_errors_name_the_training_flag():
+    with pytest.raises(ValueError, match=r"^--min-dynamic-context-parallel-size=4: must be"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, min_cp_size=4).build_scheduler(2)
+    with pytest.raises(ValueError, match=r"^--min-dynamic-context-parallel-size=3: must be"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, min_cp_size=3)
+    with pytest.raises(ValueError, match=r"^--context-parallel-size=3: dp_balanced"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, cp_size=3, scheduler="dp_balanced").build_scheduler(
+            6
+        )
