@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 import torch
 
 from megatron_dcp.integration.config import DCPConfig, flag_error
-from megatron_dcp.runtime.exchange import GlobalLengths, gather_lengths
+from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
 from megatron_dcp.runtime.routing import RoutedSamples, SampleSchema, route_samples
@@ -102,7 +102,10 @@ class DCPForwardBackward:
         )
 
     def prepare(self, samples: Sequence[Sample]) -> List[Batch]:
-        """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch."""
+        """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch. Samples
+        travel on the device the domain's collectives use (the GPU under NCCL, else the CPU)."""
+        device = collective_device(self.domain_group)
+        samples = [{key: value.to(device) for key, value in s.items()} for s in samples]
         lengths = gather_lengths([sample_length(s) for s in samples], self.dp_group)
         start = time.perf_counter()
         plan = self.plan(lengths.seqlens)
@@ -130,7 +133,8 @@ class DCPForwardBackward:
         """Step 4: this rank's share of micro-batch ``index``."""
         group = plan.microbatches[index].group_of(self.groups.position)
         multiple = self.config.pad_multiple(group.size)
-        return batch_of(*pack_group(group, samples, self.groups, multiple))
+        packed, cp_group = pack_group(group, samples, self.groups, multiple)
+        return batch_of(packed.to(collective_device(self.domain_group)), cp_group)
 
 
 def pack_group(

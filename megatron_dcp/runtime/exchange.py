@@ -45,20 +45,29 @@ def gather_lengths(local_seqlens: Sequence[int], dp_group: Optional[ProcessGroup
     """All-gather every DP rank's sample lengths (counts may differ per DP rank).
 
     Two small int64 all-gathers over ``dp_group`` (gloo needs equal sizes): the counts, then
-    the lengths padded to the largest count.
+    the lengths padded to the largest count, on the device the group's backend communicates from.
     """
-    local = torch.tensor([int(n) for n in local_seqlens], dtype=torch.int64)
+    device = collective_device(dp_group)
+    local = torch.tensor([int(n) for n in local_seqlens], dtype=torch.int64, device=device)
     if (local < 0).any():
         raise ValueError(
             f"local_seqlens must be non-negative token counts, got {list(local_seqlens)}"
         )
-    counts = all_gather_equal(torch.tensor([local.numel()], dtype=torch.int64), dp_group)
-    counts_list = [int(c.item()) for c in counts]
-    padded = torch.zeros(max(counts_list), dtype=torch.int64)
+    count = torch.tensor([local.numel()], dtype=torch.int64, device=device)
+    counts_list = [int(c.item()) for c in all_gather_equal(count, dp_group)]
+    padded = torch.zeros(max(counts_list), dtype=torch.int64, device=device)
     padded[: local.numel()] = local
     rows = all_gather_equal(padded, dp_group)
     seqlens = [n for row, c in zip(rows, counts_list) for n in row[:c].tolist()]
     return GlobalLengths(seqlens=tuple(seqlens), counts=tuple(counts_list))
+
+
+def collective_device(group: Optional[ProcessGroup]) -> torch.device:
+    """Where tensors for collectives over ``group`` must live: this rank's GPU under NCCL, else
+    the CPU (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_gather_seqlens(local_seqlens: Sequence[int], dp_group: Optional[ProcessGroup]) -> list[int]:

@@ -13,7 +13,7 @@ a (loss-free) forward and backward and takes part in the collectives of its peer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import torch
@@ -43,6 +43,11 @@ class PackedMicroBatch:
     cp_size: int
     cp_rank: int
     num_tokens: int
+
+    def to(self, device: torch.device) -> "PackedMicroBatch":
+        """The same micro-batch with its tensors on ``device`` (the model's device)."""
+        names = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded")
+        return replace(self, **{name: getattr(self, name).to(device) for name in names})
 
     @property
     def num_local_tokens(self) -> int:

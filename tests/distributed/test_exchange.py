@@ -10,7 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.runtime.exchange import GlobalLengths, all_gather_seqlens, gather_lengths
+from megatron_dcp.runtime.exchange import (
+    GlobalLengths,
+    all_gather_seqlens,
+    collective_device,
+    gather_lengths,
+)
 from megatron_dcp.runtime.routing import (
     SampleSchema,
     build_routing_table,
@@ -207,3 +212,13 @@ def _bad_local_worker(rank: int, world_size: int) -> str:
 def test_malformed_samples_are_rejected():
     messages = run_distributed(_bad_local_worker, 2)
     assert all("expected (4,)" in m for m in messages)
+
+
+def _devices(rank: int, world_size: int) -> tuple:
+    return str(collective_device(None)), gather_lengths([rank + 1], None).seqlens
+
+
+def test_collectives_run_on_the_cpu_under_gloo():
+    """Under NCCL the lengths and samples travel on the rank's GPU; under gloo on the CPU."""
+    results = run_distributed(_devices, 2, backend="gloo")
+    assert results == [("cpu", (1, 2)), ("cpu", (1, 2))]

@@ -12,7 +12,13 @@ import torch
 
 from megatron_dcp.integration.cpu import backend
 from megatron_dcp.integration.cpu.training import clip_grad_by_total_norm_cpu
-from megatron_dcp.integration.patches.table import NO_CUDA, ModePatch, Patch, swapped_attribute
+from megatron_dcp.integration.patches.table import (
+    NO_CUDA,
+    Entry,
+    ModePatch,
+    Patch,
+    swapped_attribute,
+)
 
 
 def _stand_in(value: Any) -> Callable[[Any, Any], Any]:
@@ -37,7 +43,7 @@ _RNG = (
 _STREAM_ATTRS = ("synchronize", "Stream", "Event", "current_stream", "default_stream", "stream")
 _RNG_ATTRS = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all")
 
-CPU_BACKEND_PATCHES: Tuple[Any, ...] = (
+CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
     ModePatch(
         "cuda_devices_to_cpu",
         "cpu_backend",
@@ -74,12 +80,6 @@ CPU_BACKEND_PATCHES: Tuple[Any, ...] = (
 # ------------------------------------------------------------------------------------------------
 # megatron.training
 # ------------------------------------------------------------------------------------------------
-
-
-def _provide_override(owner: Any, original: Any) -> Any:
-    from typing_extensions import override
-
-    return override
 
 
 def _initialize_on_cpu(owner: Any, original: Callable) -> Callable:
