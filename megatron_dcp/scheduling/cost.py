@@ -1,18 +1,25 @@
-"""The cost model: per-rank cost of one sequence on a CP group, in FLOP-equivalents.
+"""The cost model: per-rank cost of one CP group in one micro-batch, in FLOP-equivalents.
 
-``per_rank(L, c) = (a·L + b·L²) / c + overhead(L, c)`` with
-``overhead(L, c) = comm·L·(c−1)/c`` for ``c > 1`` and 0 at ``c = 1``: each rank of a ring exchanges
-the K/V of the other ``(c−1)/c`` of the sequence, and ``comm`` is the exposed (not overlapped) cost
-of one token's K/V. The fixed latency of a ring step is paid once per CP group and micro-batch (all
-sequences of a THD pack share the ring passes), not per sequence, so it is not part of this
-per-sequence model. One object is built once and passed to every scheduler and to the simulator;
-nothing else computes costs.
+``group_cost(seqlens, c)`` is what one rank of a CP group of ``c`` ranks spends on the sequences
+``seqlens`` it packs in one micro-batch:
+
+- ``c == 1``: ``Σ (a·L + b·L²)``;
+- ``c > 1``: ``Σ (a·L + b·L²/η) / c + comm·(Σ L)·(c−1)/c + ring_step·(c−1)``.
+
+``η`` (``cp_efficiency`` ≤ 1) is how well attention kernels keep their speed on ring chunks;
+``comm`` is the exposed (not overlapped) cost of one token's K/V exchange; ``ring_step`` is the
+fixed cost of one ring step (p2p latency, kernel launches), paid c−1 times per layer pass by a
+group that holds a sample, once per micro-batch whatever it packs (the sequences of a THD pack
+share the ring passes). ``per_rank(L, c)`` is one sequence's share without the ring term.
+
+One object is built once and passed to every scheduler and to the simulator; nothing else
+computes costs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from megatron_dcp.scheduling.errors import SchedulingError
 
@@ -49,12 +56,16 @@ class CostModel:
     linear: float
     quadratic: float
     comm: float = 0.0
+    ring_step: float = 0.0
+    cp_efficiency: float = 1.0
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        values = (self.linear, self.quadratic, self.comm)
+        values = (self.linear, self.quadratic, self.comm, self.ring_step)
         if min(values) < 0 or self.linear + self.quadratic <= 0:
             raise ValueError(f"cost model coefficients must be ≥ 0 with a+b > 0, got {self}")
+        if not 0 < self.cp_efficiency <= 1:
+            raise ValueError(f"cp_efficiency must be in (0, 1], got {self.cp_efficiency}")
 
     @classmethod
     def from_model_shape(cls, shape: Optional[ModelShape] = None) -> "CostModel":
@@ -81,14 +92,28 @@ class CostModel:
         return self.linear * seqlen + self.quadratic * seqlen * seqlen
 
     def overhead(self, seqlen: int, cp_size: int) -> float:
-        """Per-rank CP cost of running ``seqlen`` on ``cp_size`` ranks (0 without CP)."""
+        """Per-rank CP cost of one sequence on ``cp_size`` ranks beyond its share of the work:
+        slower ring-chunk attention and the exposed K/V exchange (0 without CP)."""
         if cp_size <= 1:
             return 0.0
-        return self.comm * seqlen * (cp_size - 1) / cp_size
+        slower = self.quadratic * seqlen * seqlen * (1.0 / self.cp_efficiency - 1.0)
+        return (slower + self.comm * seqlen * (cp_size - 1)) / cp_size
 
     def per_rank(self, seqlen: int, cp_size: int) -> float:
-        """Per-rank cost of one sequence of length ``seqlen`` on a CP group of ``cp_size`` ranks."""
+        """One sequence's per-rank cost on a CP group of ``cp_size`` ranks, ring term excluded."""
         return self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size)
+
+    def ring_cost(self, cp_size: int) -> float:
+        """The ring steps a non-empty CP group of ``cp_size`` ranks pays once per micro-batch."""
+        return self.ring_step * (cp_size - 1) if cp_size > 1 else 0.0
+
+    def group_cost(self, seqlens: Iterable[int], cp_size: int) -> float:
+        """Per-rank cost of a CP group of ``cp_size`` ranks packing ``seqlens`` in one
+        micro-batch (0 for an empty group)."""
+        lengths = list(seqlens)
+        if not lengths:
+            return 0.0
+        return sum(self.per_rank(n, cp_size) for n in lengths) + self.ring_cost(cp_size)
 
 
 COST_MODELS = {"model": CostModel.from_model_shape, "attention": CostModel.attention_only}

@@ -15,7 +15,7 @@ def rank_loads(plan: Plan, microbatch: MicroBatch, cost: CostModel) -> List[floa
     """Per-position cost of one micro-batch."""
     loads = [0.0] * plan.domain.size
     for group in microbatch.groups:
-        load = sum(cost.per_rank(plan.seqlens[i], group.size) for i in group.sample_ids)
+        load = cost.group_cost((plan.seqlens[i] for i in group.sample_ids), group.size)
         for rank in group.ranks:
             loads[rank] = load
     return loads
@@ -36,8 +36,11 @@ def critical_path(plan: Plan, cost: CostModel) -> float:
 
 
 def lower_bound(plan: Plan, cost: CostModel) -> float:
-    """Fluid lower bound Σ_i W_i / N, with W_i the least total cost of sample i on any group it
-    fits (its minimum CP size: the overhead of that size is unavoidable)."""
+    """Fluid lower bound Σ_i W_i / N, with W_i = c_i · per_rank(L_i, c_i) the total cost of
+    sample i at its minimum CP size c_i. It is a true lower bound of the critical path: the total
+    cost c · per_rank(L, c) = a·L + b·L²/η + comm·L·(c−1) (c > 1) never falls as c grows (η ≤ 1,
+    comm ≥ 0), the ring terms it leaves out are ≥ 0, and every micro-batch's most-loaded rank
+    carries at least the micro-batch's mean load."""
     return fluid_lower_bound(plan.seqlens, plan.domain, cost)
 
 

@@ -152,12 +152,38 @@ def test_cost_model_shape_sets_the_coefficients():
     assert 0 < small.comm <= large.comm
 
 
+def test_group_cost_charges_the_ring_steps_once_per_non_empty_group():
+    cost = CostModel(linear=2.0, quadratic=0.5, comm=3.0, ring_step=7.0, cp_efficiency=0.8)
+    assert cost.group_cost([], 4) == 0.0
+    assert cost.group_cost([10, 6], 1) == cost.per_rank(10, 1) + cost.per_rank(6, 1)
+    work = (2.0 * 16 + 0.5 * (100 + 36) / 0.8) / 4
+    assert cost.group_cost([10, 6], 4) == pytest.approx(work + 3.0 * 16 * 3 / 4 + 7.0 * 3)
+    assert cost.group_cost([10, 6], 4) == pytest.approx(
+        cost.per_rank(10, 4) + cost.per_rank(6, 4) + cost.ring_cost(4)
+    )
+
+
+def test_without_ring_step_and_efficiency_the_group_cost_is_the_per_sequence_sum():
+    lengths = [1, 100, 4096]
+    for c in (1, 2, 8):
+        assert MODEL.group_cost(lengths, c) == pytest.approx(
+            sum(MODEL.per_rank(n, c) for n in lengths), rel=1e-12
+        )
+
+
 @pytest.mark.parametrize(
-    "coefficients", [(-1.0, 1.0, 0.0), (1.0, -1.0, 0.0), (1.0, 1.0, -1.0), (0.0, 0.0, 1.0)]
+    "coefficients",
+    [(-1.0, 1.0, 0.0), (1.0, -1.0, 0.0), (1.0, 1.0, -1.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0, -1.0)],
 )
 def test_cost_model_rejects_bad_coefficients(coefficients):
     with pytest.raises(ValueError, match="coefficients"):
         CostModel(*coefficients)
+
+
+@pytest.mark.parametrize("efficiency", [0.0, -0.5, 1.5])
+def test_cost_model_rejects_an_efficiency_outside_0_1(efficiency):
+    with pytest.raises(ValueError, match="cp_efficiency"):
+        CostModel(1.0, 1.0, cp_efficiency=efficiency)
 
 
 def test_build_cost_model():

@@ -29,7 +29,8 @@ from scheduling_strategies import (
     scaled,
 )
 
-from megatron_dcp.scheduling import build_scheduler
+from megatron_dcp.scheduling import CostModel, build_scheduler
+from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 from megatron_dcp.tools.fuzz_cases import FuzzCase
 from megatron_dcp.tools.plan_check import check_plan, check_static_cp
 
@@ -50,6 +51,26 @@ def test_every_sample_appears_exactly_once(name, data):
     if plan is not None:
         ids = sorted(i for mb in plan.microbatches for g in mb.groups for i in g.sample_ids)
         assert ids == list(range(len(case.seqlens)))
+
+
+COSTS = st.builds(
+    CostModel,
+    linear=st.floats(0.1, 10.0),
+    quadratic=st.floats(0.0, 1.0),
+    comm=st.floats(0.0, 5.0),
+    ring_step=st.floats(0.0, 500.0),
+    cp_efficiency=st.floats(0.3, 1.0),
+)
+
+
+@parametrize_names
+@settings(max_examples=scaled(100), deadline=None)
+@given(data=st.data(), cost=COSTS)
+def test_the_lower_bound_is_below_the_critical_path(name, data, cost):
+    """Whatever the cost model (ring steps, CP efficiency), the fluid bound is a true bound."""
+    plan = plan_or_none(name, data.draw(cases(name)))
+    if plan is not None and plan.seqlens:
+        assert lower_bound(plan, cost) <= critical_path(plan, cost) * (1 + 1e-9)
 
 
 @parametrize_names
@@ -180,7 +201,8 @@ HASHSEED_CASES = [
 
 _PLAN_DIGESTS = """
 import hashlib, json, sys
-from megatron_dcp.scheduling import build_scheduler
+from megatron_dcp.scheduling import CostModel, build_scheduler
+from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 out = []
 for name, kwargs, seqlens in json.loads(sys.stdin.read()):
     try:
