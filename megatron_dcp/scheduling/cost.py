@@ -18,7 +18,7 @@ computes costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from megatron_dcp.scheduling.errors import SchedulingError
@@ -116,7 +116,19 @@ class CostModel:
         return sum(self.per_rank(n, cp_size) for n in lengths) + self.ring_cost(cp_size)
 
 
-COST_MODELS = {"model": CostModel.from_model_shape, "attention": CostModel.attention_only}
+def latency_heavy(shape: Optional[ModelShape] = None) -> CostModel:
+    """The model-shape coefficients with an expensive ring: one ring step costs 64 tokens of
+    linear work and exposed K/V traffic 3 % of a token's linear work (a small, latency-bound
+    model, or CP groups that cross nodes)."""
+    base = CostModel.from_model_shape(shape)
+    return replace(base, comm=0.03 * base.linear, ring_step=64.0 * base.linear, name="latency")
+
+
+COST_MODELS = {
+    "model": CostModel.from_model_shape,
+    "attention": CostModel.attention_only,
+    "latency": latency_heavy,
+}
 
 
 def build_cost_model(name: str = "model") -> CostModel:

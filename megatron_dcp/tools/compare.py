@@ -5,17 +5,20 @@ as a :class:`Comparison`, and its table."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from megatron_dcp.scheduling import CostModel, build_cost_model, build_scheduler
+from megatron_dcp.scheduling import CostModel, Scheduler, build_cost_model, build_scheduler
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.tools.cli import error_message
 from megatron_dcp.tools.plot import Panel, plan_panel
 from megatron_dcp.tools.simulator import Report, report, timed_schedule
 from megatron_dcp.tools.workloads import summarize
 
-# The name that selects megatron-core's hybrid-CP scheduler (the peer) among ours.
+# The names that select the peers among ours: megatron-core 0.19.2's hybrid-CP scheduler and
+# Megatron dev's greedy dynamic-CP scheduler.
 PEER_ALIAS = "megatron"
+DEV_PEER_ALIAS = "megatron-dev"
+PEER_ALIASES = (PEER_ALIAS, DEV_PEER_ALIAS)
 
 
 @dataclass(frozen=True)
@@ -85,17 +88,42 @@ def run_ours(
     name: str, lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool
 ) -> SchedulerResult:
     """Schedule with a registered scheduler; a ValueError (e.g. a sequence too long) -> n/a."""
+    return run_plan(
+        name, lambda: build_scheduler(name, **scheduler_kwargs(spec, cost)), lengths, cost, panel
+    )
+
+
+def run_dev_peer(
+    lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool
+) -> SchedulerResult:
+    """Megatron dev's greedy scheduler (``tools.peers.megatron_dev_greedy``)."""
+    from megatron_dcp.tools.peers.megatron_dev_greedy import PEER_NAME, DevGreedyPeer
+
+    build = lambda: DevGreedyPeer(**scheduler_kwargs(spec, cost))  # noqa: E731
+    return run_plan(PEER_NAME, build, lengths, cost, panel)
+
+
+def scheduler_kwargs(spec: DomainSpec, cost: CostModel) -> Dict[str, Any]:
+    return dict(
+        dp_size=spec.dp_size,
+        cp_size=spec.cp_size,
+        max_seqlen_per_dp_cp_rank=spec.budget,
+        min_cp_size=spec.min_cp_size,
+        microbatch_group_size_per_vp_stage=spec.vpp,
+        cost_model=cost,
+    )
+
+
+def run_plan(
+    name: str,
+    build: Callable[[], Scheduler],
+    lengths: Sequence[int],
+    cost: CostModel,
+    panel: bool,
+) -> SchedulerResult:
+    """Build a scheduler and plan ``lengths``; a ValueError (bad input, no plan) -> n/a."""
     try:
-        scheduler = build_scheduler(
-            name,
-            dp_size=spec.dp_size,
-            cp_size=spec.cp_size,
-            max_seqlen_per_dp_cp_rank=spec.budget,
-            min_cp_size=spec.min_cp_size,
-            microbatch_group_size_per_vp_stage=spec.vpp,
-            cost_model=cost,
-        )
-        plan, elapsed = timed_schedule(scheduler, lengths)
+        plan, elapsed = timed_schedule(build(), lengths)
     except ValueError as error:
         return SchedulerResult(name, note=error_message(error))
     plan_report = report(name, plan, cost, elapsed)
@@ -123,9 +151,11 @@ def run_peer(
 def run_scheduler(
     name: str, lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool = False
 ) -> SchedulerResult:
-    """A registered scheduler, or the megatron peer for :data:`PEER_ALIAS`."""
+    """A registered scheduler, or a peer for :data:`PEER_ALIAS` / :data:`DEV_PEER_ALIAS`."""
     if name == PEER_ALIAS:
         return run_peer(lengths, spec, cost, panel)
+    if name == DEV_PEER_ALIAS:
+        return run_dev_peer(lengths, spec, cost, panel)
     return run_ours(name, lengths, spec, cost, panel)
 
 

@@ -13,6 +13,7 @@ from megatron_dcp.scheduling import SCHEDULERS
 from megatron_dcp.scheduling.cost import COST_MODELS
 from megatron_dcp.tools.cli import positive_int, power_of_two
 from megatron_dcp.tools.compare import (
+    DEV_PEER_ALIAS,
     PEER_ALIAS,
     Comparison,
     DomainSpec,
@@ -31,8 +32,8 @@ from megatron_dcp.tools.workloads import (
 
 
 def scheduler_names(requested: Optional[List[str]], no_peer: bool) -> List[str]:
-    """--scheduler values, default every registered scheduler plus the peer."""
-    names = requested or [*sorted(SCHEDULERS), PEER_ALIAS]
+    """--scheduler values, default every registered scheduler plus the peers."""
+    names = requested or [*sorted(SCHEDULERS), DEV_PEER_ALIAS, PEER_ALIAS]
     return [name for name in names if not (no_peer and name == PEER_ALIAS)]
 
 
@@ -149,13 +150,14 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def add_simulate(sub: Any) -> None:
     """The ``simulate`` subcommand."""
-    choices = [*sorted(SCHEDULERS), PEER_ALIAS]
+    choices = [*sorted(SCHEDULERS), DEV_PEER_ALIAS, PEER_ALIAS]
     p = sub.add_parser("simulate", help="compare schedulers on one workload")
     p.add_argument(
         "--scheduler",
         action="append",
         choices=choices,
-        help=f"repeatable; default: all ({PEER_ALIAS} = megatron-core 0.19.2 BalancedCPScheduler)",
+        help=f"repeatable; default: all ({PEER_ALIAS} = megatron-core 0.19.2 BalancedCPScheduler, "
+        f"{DEV_PEER_ALIAS} = Megatron dev's greedy scheduler)",
     )
     add_domain_args(p)
     add_workload_args(p)
