@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from megatron_dcp.integration.config import DCPConfig, flag_error
+from megatron_dcp.integration.config import DCPConfig, plan_with
 from megatron_dcp.integration.schedule import (
     Batch,
     as_sample,
@@ -25,7 +25,6 @@ from megatron_dcp.integration.schedule import (
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, zigzag_slice
 from megatron_dcp.scheduling import CPGroup, Plan
-from megatron_dcp.scheduling.errors import SchedulingError
 
 Sample = dict[str, torch.Tensor]
 
@@ -77,10 +76,7 @@ class SplitBatch:
 def plan_batch(seqlens: Sequence[int], domain_size: int, config: DCPConfig) -> Plan:
     """The plan of a mini-batch with ``seqlens`` over a domain of ``domain_size`` positions; a
     pure function of its inputs, so every rank computes the same plan without communication."""
-    try:
-        return config.build_scheduler(domain_size).schedule(seqlens)
-    except SchedulingError as error:
-        raise flag_error(error) from None
+    return plan_with(config.build_scheduler(domain_size), seqlens)
 
 
 def split_batch(

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from megatron_dcp.runtime.packing import padding_multiple
-from megatron_dcp.scheduling import SCHEDULERS, CostModel, Scheduler, build_scheduler
+from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.domain import is_power_of_two
 from megatron_dcp.scheduling.errors import SchedulingError
 
@@ -42,6 +42,14 @@ FLAGS = {
 def flag_error(error: SchedulingError) -> ValueError:
     """A scheduling error worded for the training user (flags in place of parameters)."""
     return ValueError(error.worded(FLAGS))
+
+
+def plan_with(scheduler: Scheduler, seqlens: Sequence[int]) -> Plan:
+    """``scheduler.schedule(seqlens)`` with its errors worded for the training user."""
+    try:
+        return scheduler.schedule(seqlens)
+    except SchedulingError as error:
+        raise flag_error(error) from None
 
 
 def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

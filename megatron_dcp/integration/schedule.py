@@ -24,13 +24,12 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
-from megatron_dcp.integration.config import DCPConfig, flag_error
+from megatron_dcp.integration.config import DCPConfig, plan_with
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
 from megatron_dcp.runtime.routing import RoutedSamples, SampleSchema, route_samples
 from megatron_dcp.scheduling import CPGroup, Plan
-from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.metrics import plan_imbalance
 from megatron_dcp.scheduling.registry import Scheduler
 
@@ -108,20 +107,15 @@ class DCPForwardBackward:
         samples = [{key: value.to(device) for key, value in s.items()} for s in samples]
         lengths = gather_lengths([sample_length(s) for s in samples], self.dp_group)
         start = time.perf_counter()
-        plan = self.plan(lengths.seqlens)
+        plan = plan_with(self.scheduler, lengths.seqlens)
         plan_time = time.perf_counter() - start
         routed = self.route(plan, lengths, samples)
-        batches = [self.pack(plan, index, routed.samples) for index in range(plan.num_microbatches)]
+        batches = [
+            self.pack(plan, index, routed.samples, device) for index in range(plan.num_microbatches)
+        ]
         stats = batch_stats(plan, plan_time, batches, routed.bytes_received, self.scheduler)
         self.stats.append(stats)
         return batches
-
-    def plan(self, seqlens: Sequence[int]) -> Plan:
-        """Step 2: the plan of the global batch (the same on every rank); errors name flags."""
-        try:
-            return self.scheduler.schedule(seqlens)
-        except SchedulingError as error:
-            raise flag_error(error) from None
 
     def route(self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample]) -> RoutedSamples:
         """Step 3: send and receive samples so that this rank holds those of its groups."""
@@ -129,12 +123,14 @@ class DCPForwardBackward:
         local = dict(zip(ids, samples))
         return route_samples(plan, local, self.groups.position, self.domain_group, lengths.owner_of)
 
-    def pack(self, plan: Plan, index: int, samples: Mapping[int, Sample]) -> Batch:
-        """Step 4: this rank's share of micro-batch ``index``."""
+    def pack(
+        self, plan: Plan, index: int, samples: Mapping[int, Sample], device: torch.device
+    ) -> Batch:
+        """Step 4: this rank's share of micro-batch ``index``, on ``device``."""
         group = plan.microbatches[index].group_of(self.groups.position)
         multiple = self.config.pad_multiple(group.size)
         packed, cp_group = pack_group(group, samples, self.groups, multiple)
-        return batch_of(packed.to(collective_device(self.domain_group)), cp_group)
+        return batch_of(packed.to(device), cp_group)
 
 
 def pack_group(

@@ -105,7 +105,7 @@ class DevGreedyPeer(Scheduler):
         """Step 4: split the fullest micro-batch until the count is a multiple of the VPP size."""
         k = self.microbatch_group_size_per_vp_stage
         while k and len(rows) % k:
-            fullest = max(rows, key=lambda row: (sum(len(g.items) for g in row), -rows.index(row)))
+            fullest = max(rows, key=lambda row: sum(len(g.items) for g in row))  # first on ties
             items = longest_first([item for group in fullest for item in group.items])
             if len(items) < 2:
                 raise ValueError(
