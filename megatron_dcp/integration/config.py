@@ -34,6 +34,7 @@ FLAGS = {
     "vpp": VPP_FLAG,
     "scheduler": SCHEDULER_FLAG,
     "cost_model": "the cost model",
+    "hardware": "--dcp-hardware-profile",
     "batch": "a larger --global-batch-size",
     "max_seqlen": "a smaller --seq-length",
 }

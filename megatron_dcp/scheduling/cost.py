@@ -1,4 +1,4 @@
-"""The cost model: per-rank cost of one CP group in one micro-batch, in FLOP-equivalents.
+"""The cost model: per-rank time of one CP group in one micro-batch.
 
 ``group_cost(seqlens, c)`` is what one rank of a CP group of ``c`` ranks spends on the sequences
 ``seqlens`` it packs in one micro-batch:
@@ -11,9 +11,13 @@
 fixed cost of one ring step (p2p latency, kernel launches), paid c−1 times per layer pass by a
 group that holds a sample, once per micro-batch whatever it packs (the sequences of a THD pack
 share the ring passes). ``per_rank(L, c)`` is one sequence's share without the ring term.
+``microbatch`` is the fixed cost every rank pays per micro-batch (launches, Python, pipeline
+hand-offs): it weighs the micro-batch count in the critical path.
 
-One object is built once and passed to every scheduler and to the simulator; nothing else
-computes costs.
+Coefficients built from a model and a hardware profile (:meth:`CostModel.from_model_shape`) or
+fitted by ``megatron-dcp calibrate`` are in seconds; the scheduler only compares costs, so any
+unit works. One object is built once and passed to every scheduler and to the simulator;
+nothing else computes costs.
 """
 
 from __future__ import annotations
@@ -22,31 +26,12 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from megatron_dcp.scheduling.errors import SchedulingError
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The transformer dimensions that set the default cost coefficients (Llama-3-8B-like)."""
-
-    hidden_size: int = 4096
-    ffn_hidden_size: int = 14336
-    num_layers: int = 32
-    num_attention_heads: int = 32
-    num_query_groups: int = 8
-    vocab_size: int = 128256
-    gated_mlp: bool = True
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-# fwd + bwd ≈ 3× the forward FLOPs.
-_TRAIN_FACTOR = 3.0
-# Exposed FLOP-equivalents per byte moved between CP ranks: H100 bf16 dense peak (≈989 TFLOP/s)
-# over NVLink (≈450 GB/s) is ≈2200; ring attention hides most of it behind compute.
-_FLOPS_PER_BYTE = 2200.0
-_EXPOSED_FRACTION = 0.5
+from megatron_dcp.scheduling.hardware import (
+    DEFAULT_GPU_PROFILE,
+    HardwareProfile,
+    hardware_profile,
+)
+from megatron_dcp.scheduling.model_shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -59,28 +44,34 @@ class CostModel:
     ring_step: float = 0.0
     cp_efficiency: float = 1.0
     name: str = "custom"
+    microbatch: float = 0.0
 
     def __post_init__(self) -> None:
-        values = (self.linear, self.quadratic, self.comm, self.ring_step)
+        values = (self.linear, self.quadratic, self.comm, self.ring_step, self.microbatch)
         if min(values) < 0 or self.linear + self.quadratic <= 0:
             raise ValueError(f"cost model coefficients must be ≥ 0 with a+b > 0, got {self}")
         if not 0 < self.cp_efficiency <= 1:
             raise ValueError(f"cp_efficiency must be in (0, 1], got {self.cp_efficiency}")
 
     @classmethod
-    def from_model_shape(cls, shape: Optional[ModelShape] = None) -> "CostModel":
-        """Training FLOPs of a GPT with ``shape``: GEMMs per token, causal attention per token pair,
-        and the exposed K/V exchange of ring attention (bf16)."""
+    def from_model_shape(
+        cls, shape: Optional[ModelShape] = None, hardware: Optional[HardwareProfile] = None
+    ) -> "CostModel":
+        """Seconds per rank of training ``shape`` (default Llama-3-8B-like) on ``hardware``
+        (default ``h100-nvlink``): GEMMs per token, causal attention per token pair, the exposed
+        K/V exchange, the ring steps of every attention layer pass, and every layer pass's fixed
+        overhead per micro-batch."""
         s = shape or ModelShape()
-        kv_dim = s.num_query_groups * s.kv_channels
-        mlp = (3 if s.gated_mlp else 2) * s.hidden_size * s.ffn_hidden_size
-        per_layer = 2.0 * (s.hidden_size * (s.hidden_size + 2 * kv_dim) + s.hidden_size**2 + mlp)
-        linear = _TRAIN_FACTOR * (s.num_layers * per_layer + 2.0 * s.hidden_size * s.vocab_size)
-        # QKᵀ and AV: 4·h FLOPs per (query, key) pair, causal keeps half of the L² pairs.
-        quadratic = _TRAIN_FACTOR * s.num_layers * 2.0 * s.hidden_size
-        kv_bytes = s.num_layers * 2 * kv_dim * 2 * _TRAIN_FACTOR
-        comm = kv_bytes * _FLOPS_PER_BYTE * _EXPOSED_FRACTION
-        return cls(linear, quadratic, comm, name="model")
+        hw = hardware or hardware_profile(DEFAULT_GPU_PROFILE)
+        return cls(
+            linear=s.linear_flops() / (hw.peak_flops * hw.gemm_efficiency),
+            quadratic=s.quadratic_flops() / (hw.peak_flops * hw.attention_efficiency),
+            comm=s.kv_bytes(hw.bytes_per_element) / hw.link_bandwidth * hw.exposed_fraction,
+            ring_step=s.ring_passes() * hw.ring_step_latency,
+            cp_efficiency=hw.cp_efficiency,
+            name=f"model@{hw.name}",
+            microbatch=s.layer_passes() * hw.layer_pass_overhead,
+        )
 
     @classmethod
     def attention_only(cls) -> "CostModel":
@@ -125,7 +116,7 @@ def latency_heavy(shape: Optional[ModelShape] = None) -> CostModel:
 
 
 COST_MODELS = {
-    "model": CostModel.from_model_shape,
+    "model": lambda: replace(CostModel.from_model_shape(), name="model"),
     "attention": CostModel.attention_only,
     "latency": latency_heavy,
 }

@@ -42,6 +42,7 @@ from megatron_dcp.scheduling.balance import lpt_partition
 from megatron_dcp.scheduling.draft import GroupDraft, Item, freeze_microbatch
 from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
 from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.metrics import fluid_lower_bound
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.registry import Scheduler
@@ -75,24 +76,24 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         # Small batches also try the all-levels variant (cheap there) and keep the better plan.
         variants = (False, True) if len(items) <= SEARCH_SAMPLES else (False,)
         plans = [align_to_vpp(ctx, plan_rows(ctx, pool, v), items, vpp) for v in variants]
-        work = ctx.works(items)
-        bound = sum(work[item.seqlen] for item in items) / self.domain.size
-        best = min(plans, key=lambda rows: plan_rank(rows, bound))
+        bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
+        best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         return [freeze_microbatch(row) for row in best]
 
 
-def plan_rank(rows: Sequence[Row], bound: float) -> Tuple[int, float, float]:
+def plan_rank(ctx: Context, rows: Sequence[Row], bound: float) -> Tuple[int, float, float]:
     """Sort key of candidate plans: those within ``GOOD_PLAN`` × the lower bound first, fewest
     micro-batches first; then the shortest critical path."""
-    path = draft_critical_path(rows)
+    path = draft_critical_path(ctx, rows)
     if path <= GOOD_PLAN * bound:
         return (0, len(rows), path)
     return (1, path, len(rows))
 
 
-def draft_critical_path(rows: Sequence[Row]) -> float:
-    """Σ over micro-batches of the most-loaded group's per-rank cost."""
-    return sum(max(group.load for group in row) for row in rows)
+def draft_critical_path(ctx: Context, rows: Sequence[Row]) -> float:
+    """Σ over micro-batches of the most-loaded group's per-rank cost and the fixed cost."""
+    peaks = sum(max(group.load for group in row) for row in rows)
+    return peaks + ctx.cost.microbatch * len(rows)
 
 
 def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
@@ -125,9 +126,9 @@ def is_heavy(ctx: Context, pool: Sequence[Item]) -> bool:
     that its total cost grows by more than ``HEAVY_WASTE``: it needs a micro-batch of its own
     (higher) level instead."""
     floor = fill_level(ctx, pool)
-    per_rank, limit = ctx.per_rank, HEAVY * floor
+    alone, limit = ctx.alone, HEAVY * floor
     return any(
-        per_rank[item.seqlen, item.min_cp] > limit
+        alone(item.seqlen, item.min_cp) > limit
         and promotion_waste(ctx, item, floor) > HEAVY_WASTE
         for item in pool
     )
@@ -137,12 +138,12 @@ def promotion_waste(ctx: Context, item: Item, level: float) -> float:
     """Relative extra total cost of running ``item`` on the smallest CP group where its per-rank
     cost is within ``level`` (the largest group when none is) instead of its minimum."""
     least = ctx.min_work(item)
-    if ctx.load(item.seqlen, item.min_cp) <= level or least <= 0:
+    if ctx.alone(item.seqlen, item.min_cp) <= level or least <= 0:
         return 0.0
     for size in ctx.sizes_from(item.min_cp):
-        if ctx.load(item.seqlen, size) <= level:
+        if ctx.alone(item.seqlen, size) <= level:
             break
-    return ctx.load(item.seqlen, size) * size / least - 1.0
+    return ctx.alone(item.seqlen, size) * size / least - 1.0
 
 
 def equalize_buckets(ctx: Context, pool: Sequence[Item]) -> List[List[Item]]:
@@ -228,10 +229,10 @@ def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
     for size in ctx.sizes_from(item.min_cp):
         if not ctx.openable(size):
             continue
-        if sizes and ctx.load(item.seqlen, size) >= ctx.load(item.seqlen, sizes[-1]):
+        if sizes and ctx.alone(item.seqlen, size) >= ctx.alone(item.seqlen, sizes[-1]):
             break
         sizes.append(size)
-        if ctx.load(item.seqlen, size) <= floor:
+        if ctx.alone(item.seqlen, size) <= floor:
             break
     return sizes[::-1][:TRIALS]
 
@@ -291,7 +292,7 @@ def whole_domain_rows(ctx: Context, items: Sequence[Item], vpp: int, limit: int)
 
 def whole_domain_group(ctx: Context, items: Sequence[Item]) -> GroupDraft:
     """One group over the whole domain holding ``items``."""
-    group = GroupDraft(ctx.domain.root())
+    group = ctx.group(ctx.domain.root())
     for item in items:
         group.push(item, ctx.load(item.seqlen, ctx.domain.size))
     return group

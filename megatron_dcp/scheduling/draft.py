@@ -21,12 +21,19 @@ class Item:
 
 @dataclass(eq=False)
 class GroupDraft:
-    """A CP group being filled: its block, its samples, per-rank load and token count."""
+    """A CP group being filled: its block, its samples, per-rank load (ring steps included once
+    it holds a sample) and token count. ``ring`` is the cost model's ``ring_cost`` of its size."""
 
     block: Block
+    ring: float = 0.0
     items: List[Item] = field(default_factory=list)
     load: float = 0.0
     tokens: int = 0
+
+    @classmethod
+    def over(cls, block: Block, cost: CostModel) -> "GroupDraft":
+        """An empty group over ``block`` whose ring steps ``cost`` prices."""
+        return cls(block, cost.ring_cost(block.size))
 
     @property
     def size(self) -> int:
@@ -36,15 +43,16 @@ class GroupDraft:
         return item.min_cp <= self.size and self.tokens + item.seqlen <= self.size * budget
 
     def add(self, item: Item, cost: CostModel) -> None:
-        self.items.append(item)
-        self.load += cost.per_rank(item.seqlen, self.size)
-        self.tokens += item.seqlen
+        self.push(item, cost.per_rank(item.seqlen, self.size))
 
     def remove(self, item: Item, cost: CostModel) -> None:
         self.pop(item, cost.per_rank(item.seqlen, self.size))
 
     def push(self, item: Item, load: float) -> None:
-        """Add ``item`` whose per-rank cost on this group is ``load`` (precomputed: hot path)."""
+        """Add ``item`` whose per-rank cost on this group is ``load`` (precomputed: hot path);
+        the first sample brings the ring steps."""
+        if not self.items:
+            self.load += self.ring
         self.items.append(item)
         self.load += load
         self.tokens += item.seqlen
@@ -69,7 +77,7 @@ class GroupDraft:
 
 
 def group_of_items(block: Block, items: Sequence[Item], cost: CostModel) -> GroupDraft:
-    group = GroupDraft(block)
+    group = GroupDraft.over(block, cost)
     for item in items:
         group.add(item, cost)
     return group

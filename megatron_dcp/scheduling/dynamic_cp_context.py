@@ -7,7 +7,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator
 from megatron_dcp.scheduling.cost import CostModel
-from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.domain import Block, Domain
 from megatron_dcp.scheduling.draft import GroupDraft, Item
 
 # Relative slack of float comparisons of loads.
@@ -36,13 +36,23 @@ class Context:
     def __init__(self, domain: Domain, cost: CostModel) -> None:
         self.domain, self.cost = domain, cost
         self.per_rank = CostTable(cost)
+        self.rings = {size: cost.ring_cost(size) for size in domain.group_sizes}
         self.work: Dict[int, float] = {}
         self._sizes: Dict[int, Tuple[int, ...]] = {}
         self._openable: Dict[int, bool] = {}
 
     def load(self, seqlen: int, size: int) -> float:
-        """Per-rank cost of a sequence of ``seqlen`` tokens on ``size`` ranks."""
+        """Per-rank cost a sequence of ``seqlen`` tokens adds to a group of ``size`` ranks."""
         return self.per_rank[seqlen, size]
+
+    def alone(self, seqlen: int, size: int) -> float:
+        """Per-rank cost of a group of ``size`` ranks holding only this sequence (ring steps
+        included)."""
+        return self.per_rank[seqlen, size] + self.rings[size]
+
+    def group(self, block: Block) -> GroupDraft:
+        """An empty group over ``block``."""
+        return GroupDraft(block, self.rings[block.size])
 
     def min_work(self, item: Item) -> float:
         """Least total cost of ``item``: at its minimum CP size (which its length determines)."""

@@ -24,6 +24,7 @@ PARAMETERS: Mapping[str, str] = {
     "vpp": "microbatch_group_size_per_vp_stage",
     "scheduler": "scheduler",
     "cost_model": "cost_model",
+    "hardware": "hardware",
     "batch": "more sequences in the batch",
     "max_seqlen": "shorter sequences",
 }

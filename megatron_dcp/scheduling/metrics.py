@@ -31,16 +31,18 @@ def rank_tokens(plan: Plan, microbatch: MicroBatch) -> List[float]:
 
 
 def critical_path(plan: Plan, cost: CostModel) -> float:
-    """Σ over micro-batches of the most-loaded rank's cost."""
-    return sum(max(rank_loads(plan, mb, cost)) for mb in plan.microbatches)
+    """Σ over micro-batches of the most-loaded rank's cost, plus every micro-batch's fixed cost."""
+    loads = sum(max(rank_loads(plan, mb, cost)) for mb in plan.microbatches)
+    return loads + cost.microbatch * plan.num_microbatches
 
 
 def lower_bound(plan: Plan, cost: CostModel) -> float:
-    """Fluid lower bound Σ_i W_i / N, with W_i = c_i · per_rank(L_i, c_i) the total cost of
-    sample i at its minimum CP size c_i. It is a true lower bound of the critical path: the total
+    """Fluid lower bound Σ_i W_i / N + K·microbatch, with W_i = c_i · per_rank(L_i, c_i) the
+    total cost of sample i at its minimum CP size c_i and K = ⌈Σ L / (N · budget)⌉ the fewest
+    micro-batches the tokens fit in. It is a true lower bound of the critical path: the total
     cost c · per_rank(L, c) = a·L + b·L²/η + comm·L·(c−1) (c > 1) never falls as c grows (η ≤ 1,
-    comm ≥ 0), the ring terms it leaves out are ≥ 0, and every micro-batch's most-loaded rank
-    carries at least the micro-batch's mean load."""
+    comm ≥ 0), the ring terms it leaves out are ≥ 0, every micro-batch's most-loaded rank
+    carries at least the micro-batch's mean load, and no plan has fewer than K micro-batches."""
     return fluid_lower_bound(plan.seqlens, plan.domain, cost)
 
 
@@ -50,7 +52,8 @@ def fluid_lower_bound(seqlens: Sequence[int], domain: Domain, cost: CostModel) -
     for seqlen in seqlens:
         size = domain.cp_degree(seqlen)
         total += cost.per_rank(seqlen, size) * size
-    return total / domain.size
+    fewest = -(-sum(seqlens) // (domain.size * domain.budget))
+    return total / domain.size + cost.microbatch * fewest
 
 
 def imbalance(loads: Sequence[float]) -> float:

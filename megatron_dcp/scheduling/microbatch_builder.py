@@ -82,9 +82,9 @@ class MicroBatchBuilder:
     def _place_fresh(self, item: Item) -> bool:
         if not self.free.free:
             return False
-        per_rank = self.ctx.per_rank
+        alone = self.ctx.alone
         for size in self.ctx.sizes_from(item.min_cp):
-            if per_rank[item.seqlen, size] <= self.level and self.free.can_allocate(size):
+            if alone(item.seqlen, size) <= self.level and self.free.can_allocate(size):
                 self._add_group(item, size)
                 return True
         return False
@@ -130,7 +130,7 @@ class MicroBatchBuilder:
     def _add_group(self, item: Item, size: int) -> None:
         block = self.free.allocate(size)
         assert block is not None, f"no free block of {size} ranks"
-        group = GroupDraft(block)
+        group = self.ctx.group(block)
         group.push(item, self.ctx.load(item.seqlen, size))
         self.groups.append(group)
         if self.journal is not None:

@@ -28,7 +28,7 @@ def fill_empty_ranks(
         free.free.remove(block)
         item = take_donor(ctx, groups, block) or take_spare(ctx, spare or [], block)
         if item is not None:
-            group = GroupDraft(block)
+            group = ctx.group(block)
             group.push(item, ctx.load(item.seqlen, block.size))
             groups.append(group)
         else:
@@ -56,7 +56,7 @@ def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
             if item.min_cp > block.size or item.seqlen > block.size * ctx.domain.budget:
                 continue
             remaining = group.load - ctx.load(item.seqlen, group.size)
-            peak = max(remaining, ctx.load(item.seqlen, block.size))
+            peak = max(remaining, ctx.alone(item.seqlen, block.size))
             key = (peak, group.block.start, item.sample_id)
             if best is None or key < best[0]:
                 best = (key, group, item)
@@ -76,7 +76,7 @@ def merge_into_parent(ctx: Context, groups: Row, free: BuddyAllocator, block: Bl
     if not inside:
         free.free.append(parent)
         return
-    merged = GroupDraft(parent)
+    merged = ctx.group(parent)
     for group in inside:
         groups.remove(group)
         for item in group.items:

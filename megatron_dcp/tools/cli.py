@@ -24,6 +24,7 @@ FLAGS = {
     "vpp": "--microbatch-group-size-per-vp-stage",
     "scheduler": "--scheduler",
     "cost_model": "--cost-model",
+    "hardware": "--hardware",
     "batch": "more sequences (--num-sequences, --tokens-per-global-batch)",
     "max_seqlen": "shorter sequences",
 }

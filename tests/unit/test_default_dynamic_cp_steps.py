@@ -102,7 +102,7 @@ def test_next_hdp_group_partitions_the_domain_and_returns_leftovers(n, lengths):
         assert g.items and ctx.domain.is_group_block(g.block)
         assert g.tokens == sum(i.seqlen for i in g.items) <= g.size * 100
         assert all(i.min_cp <= g.size for i in g.items)
-        assert g.load == pytest.approx(sum(ctx.cost.per_rank(i.seqlen, g.size) for i in g.items))
+        assert g.load == pytest.approx(ctx.cost.group_cost([i.seqlen for i in g.items], g.size))
 
 
 def test_next_hdp_group_fewer_samples_than_ranks_expands_groups():
@@ -145,8 +145,8 @@ def test_promotion_waste_and_is_heavy():
     item = Item(0, 100, 1)
     load = ctx.cost.per_rank(100, 1)
     assert promotion_waste(ctx, item, load) == 0.0
-    expected = ctx.cost.per_rank(100, 2) * 2 / load - 1
-    assert promotion_waste(ctx, item, ctx.cost.per_rank(100, 2)) == pytest.approx(expected)
+    expected = ctx.alone(100, 2) * 2 / load - 1  # the ring steps count: the group holds it alone
+    assert promotion_waste(ctx, item, ctx.alone(100, 2)) == pytest.approx(expected)
     assert not is_heavy(ctx, items_of(ctx, [100] * 8))
     attention = context(n=8, budget=100, cost=CostModel.attention_only())
     assert not is_heavy(attention, items_of(attention, [800] + [1] * 8))  # CP is free there
@@ -215,7 +215,7 @@ def test_align_to_vpp_splits_microbatches(vpp):
     assert len(aligned) % vpp == 0 and len(aligned) >= len(rows)
     assert sorted(i.sample_id for row in aligned for g in row for i in g.items) == list(range(12))
     assert all(covered(row) == [0, 1, 2, 3] and all(g.items for g in row) for row in aligned)
-    assert draft_critical_path(aligned) > 0
+    assert draft_critical_path(ctx, aligned) > 0
 
 
 def test_align_to_vpp_falls_back_to_whole_domain_microbatches_or_names_the_flag():

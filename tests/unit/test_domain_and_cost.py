@@ -1,6 +1,8 @@
 """Unit tests of the domain rules (CP degree, group sizes, children, group blocks) and of the
 cost model. Pure Python, no hypothesis."""
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_dcp.scheduling import CostModel, Domain, ModelShape, build_cost_model
@@ -122,11 +124,13 @@ def test_per_rank_cost_at_cp1_has_no_overhead(length):
 
 
 @pytest.mark.parametrize("length", [1, 100, 4096, 131072])
-def test_overhead_grows_with_the_cp_size(length):
-    overheads = [MODEL.overhead(length, c) for c in (1, 2, 4, 8, 16, 64)]
-    assert overheads[0] == 0.0 and all(a < b for a, b in zip(overheads, overheads[1:]))
+def test_total_cost_grows_with_the_cp_size(length):
+    totals = [MODEL.per_rank(length, c) * c for c in (1, 2, 4, 8, 16, 64)]
+    assert MODEL.overhead(length, 1) == 0.0 and all(a < b for a, b in zip(totals, totals[1:]))
+    eta = MODEL.cp_efficiency
     for c in (2, 4, 8, 6):
-        expected = MODEL.work(length) / c + MODEL.comm * length * (c - 1) / c
+        work = MODEL.linear * length + MODEL.quadratic * length**2 / eta
+        expected = work / c + MODEL.comm * length * (c - 1) / c
         assert MODEL.per_rank(length, c) == pytest.approx(expected, rel=1e-12)
 
 
@@ -165,10 +169,12 @@ def test_group_cost_charges_the_ring_steps_once_per_non_empty_group():
 
 def test_without_ring_step_and_efficiency_the_group_cost_is_the_per_sequence_sum():
     lengths = [1, 100, 4096]
+    plain = replace(MODEL, ring_step=0.0, cp_efficiency=1.0)
     for c in (1, 2, 8):
-        assert MODEL.group_cost(lengths, c) == pytest.approx(
-            sum(MODEL.per_rank(n, c) for n in lengths), rel=1e-12
+        assert plain.group_cost(lengths, c) == pytest.approx(
+            sum(plain.per_rank(n, c) for n in lengths), rel=1e-12
         )
+        assert MODEL.group_cost(lengths, c) > plain.group_cost(lengths, c) or c == 1
 
 
 @pytest.mark.parametrize(
@@ -187,7 +193,7 @@ def test_cost_model_rejects_an_efficiency_outside_0_1(efficiency):
 
 
 def test_build_cost_model():
-    assert build_cost_model("model") == MODEL
+    assert build_cost_model("model") == replace(MODEL, name="model")
     assert build_cost_model("attention") == CostModel.attention_only()
     with pytest.raises(ValueError, match="cost_model='flops'"):
         build_cost_model("flops")

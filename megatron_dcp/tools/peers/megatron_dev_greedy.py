@@ -77,7 +77,7 @@ class DevGreedyPeer(Scheduler):
                 if owner.fits(item, budget):
                     return owner
             elif owner is None and not any(owners[start : start + size]):
-                return claim(GroupDraft(Block(start, size)), owners, row)
+                return claim(GroupDraft.over(Block(start, size), self.cost_model), owners, row)
         return None
 
     def fill_empty_ranks(self, owners: List[Optional[GroupDraft]], row: Row) -> None:
@@ -94,7 +94,7 @@ class DevGreedyPeer(Scheduler):
         """Grow the group(s) of ``free``'s buddy block over the parent block."""
         parent = Block(min(free.start, buddy(free).start), 2 * free.size)
         inside = [g for g in row if parent.start <= g.block.start < parent.stop]
-        merged = GroupDraft(parent)
+        merged = GroupDraft.over(parent, self.cost_model)
         for group in inside:
             row.remove(group)
             for item in group.items:

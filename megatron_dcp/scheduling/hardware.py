@@ -1,0 +1,97 @@
+"""Hardware profiles: what turns a model's FLOPs and bytes into seconds.
+
+A :class:`HardwareProfile` holds per-GPU (or per-CPU-rank) rates and latencies; together with a
+:class:`~megatron_dcp.scheduling.model_shape.ModelShape` it gives a
+:class:`~megatron_dcp.scheduling.cost.CostModel` in seconds (:func:`cost_model_for`). The values
+are a-priori estimates, each with its source below; ``megatron-dcp calibrate`` measures the real
+ones, and online refinement corrects them while training runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from megatron_dcp.scheduling.errors import SchedulingError
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Rates of one rank and of the links between the ranks of a CP group."""
+
+    name: str
+    # Dense peak FLOP/s of one rank in the training precision.
+    peak_flops: float
+    # Fraction of the peak that GEMMs (linear work) and attention kernels (L² work) reach.
+    gemm_efficiency: float
+    attention_efficiency: float
+    # Bytes/s one rank sends to its ring neighbour, and the fraction of that traffic that
+    # computation does not hide.
+    link_bandwidth: float
+    exposed_fraction: float
+    # Seconds one ring step of one layer pass costs whatever it carries (p2p latency, the
+    # launches of the partial-attention and correction kernels).
+    ring_step_latency: float
+    # Seconds of fixed cost per layer pass of a micro-batch (kernel launches, Python).
+    layer_pass_overhead: float
+    # CP attention speed relative to whole-sequence attention (smaller ring chunks).
+    cp_efficiency: float = 1.0
+    bytes_per_element: int = 2
+
+
+HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
+    # H100 SXM with NVLink 4, bf16:
+    # - peak 989 TFLOP/s dense bf16 (NVIDIA H100 datasheet);
+    # - GEMMs at 50 % of peak: the MFU Megatron-Core reports for Llama-class models on H100;
+    # - attention at 40 %: FlashAttention fwd+bwd throughput on H100 (≈ 350–450 TFLOP/s);
+    # - 450 GB/s per direction (NVLink 4: 900 GB/s bidirectional), half of the K/V exchange
+    #   exposed: ring attention overlaps each step's transfer with the previous chunk;
+    # - 15 µs per ring step: NCCL p2p latency on NVLink (≈ 8 µs) plus the launches of the
+    #   chunk-attention and softmax-correction kernels (≈ 3 µs each);
+    # - 10 µs per layer pass: launch overhead of a layer's kernels outside CUDA graphs;
+    # - ring chunks run at 95 % of the speed of whole-sequence attention (shorter tiles).
+    "h100-nvlink": HardwareProfile(
+        name="h100-nvlink",
+        peak_flops=989e12,
+        gemm_efficiency=0.5,
+        attention_efficiency=0.4,
+        link_bandwidth=450e9,
+        exposed_fraction=0.5,
+        ring_step_latency=15e-6,
+        layer_pass_overhead=10e-6,
+        cp_efficiency=0.95,
+    ),
+    # The CPU backend of this project (gloo, fp32, one thread per rank):
+    # - 50 GFLOP/s: one AVX2 core's fp32 FMA peak (2 FMA units × 8 lanes × 2 FLOPs × ≈ 2 GHz ≈
+    #   64, less turbo headroom), GEMMs at 50 %;
+    # - attention at 20 %: the reference attention materialises L×L scores, memory-bound;
+    # - 2 GB/s loopback TCP for gloo, nothing hidden (K/V are gathered before attention);
+    # - 100 µs per collective step: a gloo round trip on loopback TCP;
+    # - 300 µs per layer pass: Python and autograd dispatch of a small layer.
+    # ``megatron-dcp calibrate`` replaces these with measured values.
+    "cpu-gloo": HardwareProfile(
+        name="cpu-gloo",
+        peak_flops=50e9,
+        gemm_efficiency=0.5,
+        attention_efficiency=0.2,
+        link_bandwidth=2e9,
+        exposed_fraction=1.0,
+        ring_step_latency=100e-6,
+        layer_pass_overhead=300e-6,
+        bytes_per_element=4,
+    ),
+}
+
+DEFAULT_GPU_PROFILE = "h100-nvlink"
+DEFAULT_CPU_PROFILE = "cpu-gloo"
+
+
+def hardware_profile(name: str) -> HardwareProfile:
+    """The profile called ``name``; SchedulingError naming the choices otherwise."""
+    if name not in HARDWARE_PROFILES:
+        raise SchedulingError(
+            "{hardware}={name!r}: choose one of {names}.",
+            name=name,
+            names=", ".join(sorted(HARDWARE_PROFILES)),
+        )
+    return HARDWARE_PROFILES[name]

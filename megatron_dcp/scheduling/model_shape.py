@@ -1,0 +1,141 @@
+"""The shape of the trained model and its training FLOPs per token (linear in L) and per token
+pair (quadratic in L), per tensor-parallel rank.
+
+A model is a stack of layers of four kinds, counted separately so that GPT, MoE and hybrid
+Mamba models share one description: attention layers (QKV and output projections, plus the
+causal L² core), dense MLP layers, MoE layers (router, top-k routed experts, shared expert) and
+Mamba layers (linear in L, no L² term). A GPT layer is one attention layer and one MLP (or MoE)
+layer. ``mtp_depth`` multi-token-prediction modules each add one GPT layer, a 2h→h projection
+and one more output head.
+
+The counts follow the usual 2 FLOPs per multiply-accumulate, and training costs three forward
+passes (forward, and a backward of twice the forward). Everything is divided by the TP size:
+GEMMs are sharded by columns and rows, attention by heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Forward + backward ≈ 3× the forward FLOPs.
+TRAIN_FACTOR = 3.0
+# Mamba-2 SSD work per token and per (inner channel × state) pair: the chunked scan's
+# intra-chunk, state and output products, about 3 multiply-accumulates each.
+MAMBA_SCAN_FLOPS = 6.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions that set the cost of a training token. Defaults: a Llama-3-8B-like GPT."""
+
+    hidden_size: int = 4096
+    ffn_hidden_size: int = 14336
+    num_layers: int = 32
+    num_attention_heads: int = 32
+    num_query_groups: int = 8
+    kv_channels: Optional[int] = None
+    vocab_size: int = 128256
+    gated_mlp: bool = True
+    # Layer counts when they differ from ``num_layers`` (MoE and hybrid models); None: all.
+    attention_layers: Optional[int] = None
+    mlp_layers: Optional[int] = None
+    moe_layers: int = 0
+    mamba_layers: int = 0
+    # MoE: experts, top-k routed per token, expert and shared-expert FFN sizes.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: Optional[int] = None
+    shared_expert_size: int = 0
+    # Mamba-2 mixer: state size, head size, groups (expansion 2: inner size 2h).
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mtp_depth: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.hidden_size < 1 or self.num_layers < 0:
+            raise ValueError(f"ModelShape needs positive sizes, got {self}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_query_groups * self.head_dim
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.num_layers if self.attention_layers is None else self.attention_layers
+
+    @property
+    def num_mlp_layers(self) -> int:
+        if self.mlp_layers is not None:
+            return self.mlp_layers
+        return self.num_layers - self.moe_layers
+
+    def attention_flops(self) -> float:
+        """Forward FLOPs per token of one attention layer's projections (Q, K, V, output)."""
+        h = self.hidden_size
+        return 2.0 * h * (2 * self.query_dim + 2 * self.kv_dim)
+
+    def mlp_flops(self, ffn: int) -> float:
+        """Forward FLOPs per token of an MLP with FFN size ``ffn`` (three GEMMs when gated)."""
+        return 2.0 * (3 if self.gated_mlp else 2) * self.hidden_size * ffn
+
+    def moe_flops(self) -> float:
+        """Forward FLOPs per token of one MoE layer: router, top-k experts, shared expert."""
+        expert = self.mlp_flops(self.moe_ffn_hidden_size or self.ffn_hidden_size)
+        shared = self.mlp_flops(self.shared_expert_size) if self.shared_expert_size else 0.0
+        return 2.0 * self.hidden_size * self.num_experts + self.moe_topk * expert + shared
+
+    def mamba_flops(self) -> float:
+        """Forward FLOPs per token of one Mamba-2 mixer: in/out projections and the scan."""
+        h, inner = self.hidden_size, 2 * self.hidden_size
+        heads = inner // self.mamba_head_dim
+        in_proj = 2.0 * h * (2 * inner + 2 * self.mamba_num_groups * self.mamba_state_dim + heads)
+        return in_proj + 2.0 * inner * h + MAMBA_SCAN_FLOPS * inner * self.mamba_state_dim
+
+    def head_flops(self) -> float:
+        """Forward FLOPs per token of one output head (logits over the vocabulary)."""
+        return 2.0 * self.hidden_size * self.vocab_size
+
+    def linear_flops(self) -> float:
+        """Training FLOPs per token that grow linearly with L, per TP rank."""
+        body = (
+            self.num_attention_layers * self.attention_flops()
+            + self.num_mlp_layers * self.mlp_flops(self.ffn_hidden_size)
+            + self.moe_layers * self.moe_flops()
+            + self.mamba_layers * self.mamba_flops()
+            + self.head_flops()
+        )
+        mtp_layer = self.attention_flops() + self.mlp_flops(self.ffn_hidden_size)
+        mtp = self.mtp_depth * (mtp_layer + 2.0 * 2 * self.hidden_size**2 + self.head_flops())
+        return TRAIN_FACTOR * (body + mtp) / self.tp_size
+
+    def quadratic_flops(self) -> float:
+        """Training FLOPs per (query, key) pair of L², per TP rank: QKᵀ and AV cost 4·d_q per
+        pair, and causal masking keeps half of the pairs."""
+        layers = self.num_attention_layers + self.mtp_depth
+        return TRAIN_FACTOR * layers * 2.0 * self.query_dim / self.tp_size
+
+    def kv_bytes(self, bytes_per_element: int) -> float:
+        """Bytes of K and V one token sends around the CP ring in training, per TP rank:
+        forward K/V, backward K/V again and their gradients (3 passes)."""
+        layers = self.num_attention_layers + self.mtp_depth
+        return TRAIN_FACTOR * layers * 2 * self.kv_dim * bytes_per_element / self.tp_size
+
+    def ring_passes(self) -> int:
+        """Ring passes per micro-batch: one forward and one backward per attention layer."""
+        return 2 * (self.num_attention_layers + self.mtp_depth)
+
+    def layer_passes(self) -> int:
+        """Layer passes per micro-batch (forward and backward of every layer)."""
+        layers = self.num_attention_layers + self.num_mlp_layers + self.moe_layers
+        return 2 * (layers + self.mamba_layers + 2 * self.mtp_depth)
