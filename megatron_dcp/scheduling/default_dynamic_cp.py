@@ -60,7 +60,7 @@ SCORE_TIE = 1e-4
 # The last micro-batch may exceed its level by this fraction to save one more micro-batch.
 LAST_SLACK = 0.02
 # Batches of at most this many samples also try the all-levels variant of ``plan_rows``.
-SEARCH_SAMPLES = 256
+SEARCH_SAMPLES = 512
 # A plan within this factor of the lower bound is good enough: then fewer micro-batches win.
 GOOD_PLAN = 1.02
 
@@ -73,9 +73,11 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         items = [Item(i, seqlen, self.domain.cp_degree(seqlen)) for i, seqlen in enumerate(seqlens)]
         pool = heaviest_first(ctx, items)
         vpp = self.microbatch_group_size_per_vp_stage
-        # Small batches also try the all-levels variant (cheap there) and keep the better plan.
-        variants = (False, True) if len(items) <= SEARCH_SAMPLES else (False,)
-        plans = [align_to_vpp(ctx, plan_rows(ctx, pool, v), items, vpp) for v in variants]
+        plans = aligned_plans(ctx, pool, items, vpp, False)
+        # Small batches, and plans that VPP alignment would split, also try the all-levels
+        # variant (its own micro-batch count); the best plan wins.
+        if len(items) <= SEARCH_SAMPLES or len(plans) > 1:
+            plans += aligned_plans(ctx, pool, items, vpp, True)
         bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
         best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         return [freeze_microbatch(row) for row in best]
@@ -102,17 +104,35 @@ def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
     return sorted(items, key=lambda it: (-work[it.seqlen], -it.seqlen, it.sample_id))
 
 
-def plan_rows(ctx: Context, pool: List[Item], all_heavy: bool = False) -> List[Row]:
+def aligned_plans(
+    ctx: Context, pool: List[Item], items: Sequence[Item], vpp: Optional[int], all_heavy: bool
+) -> List[List[Row]]:
+    """Candidate plans of step 2 whose micro-batch count is a multiple of ``vpp``: the plan made
+    aligned by :func:`align_to_vpp`, and (when it needed aligning, without ``all_heavy``) the
+    plan whose buckets are as many more as the alignment needs, aligned in turn."""
+    rows = plan_rows(ctx, pool, all_heavy)
+    missing = (vpp - len(rows) % vpp) % vpp if vpp else 0
+    plans = [align_to_vpp(ctx, rows, items, vpp)]
+    if missing and not all_heavy:
+        more = plan_rows(ctx, pool, all_heavy, extra_buckets=missing)
+        plans.append(align_to_vpp(ctx, more, items, vpp))
+    return plans
+
+
+def plan_rows(
+    ctx: Context, pool: List[Item], all_heavy: bool = False, extra_buckets: int = 0
+) -> List[Row]:
     """Step 2: micro-batches (rows of groups) until every sample of ``pool`` (heaviest first) is
     placed. While a sample is heavy (or always, with ``all_heavy``), the heaviest opens a
     micro-batch of its own level that takes fillers from the whole pool; the rest is split into
-    buckets of equal work, one micro-batch each, leftovers carried to the next."""
+    buckets of equal work (``extra_buckets`` more than the tokens need), one micro-batch each,
+    leftovers carried to the next."""
     rows: List[Row] = []
     while pool and (all_heavy or is_heavy(ctx, pool)):
         row, pool = next_hdp_group(ctx, pool)
         rows.append(row)
     carry: List[Item] = []
-    for bucket in equalize_buckets(ctx, pool):
+    for bucket in equalize_buckets(ctx, pool, extra_buckets):
         row, carry = next_hdp_group(ctx, heaviest_first(ctx, carry + bucket))
         rows.append(row)
     while carry:
@@ -128,8 +148,7 @@ def is_heavy(ctx: Context, pool: Sequence[Item]) -> bool:
     floor = fill_level(ctx, pool)
     alone, limit = ctx.alone, HEAVY * floor
     return any(
-        alone(item.seqlen, item.min_cp) > limit
-        and promotion_waste(ctx, item, floor) > HEAVY_WASTE
+        alone(item.seqlen, item.min_cp) > limit and promotion_waste(ctx, item, floor) > HEAVY_WASTE
         for item in pool
     )
 
@@ -146,11 +165,12 @@ def promotion_waste(ctx: Context, item: Item, level: float) -> float:
     return ctx.alone(item.seqlen, size) * size / least - 1.0
 
 
-def equalize_buckets(ctx: Context, pool: Sequence[Item]) -> List[List[Item]]:
+def equalize_buckets(ctx: Context, pool: Sequence[Item], extra: int = 0) -> List[List[Item]]:
     """Step 2b, bucket equalization: LPT of ``pool`` into the fewest buckets of N × budget tokens
-    its tokens need (more when LPT cannot fit them), equal least work each; empties dropped."""
+    its tokens need (more when LPT cannot fit them), plus ``extra``, equal least work each;
+    empties dropped."""
     capacity = ctx.domain.size * ctx.domain.budget
-    count = max(1, -(-sum(item.seqlen for item in pool) // capacity))
+    count = max(1, -(-sum(item.seqlen for item in pool) // capacity)) + extra
     buckets = lpt_partition(pool, count, capacity, ctx.min_work)
     while buckets is None:
         count += 1

@@ -37,12 +37,17 @@ def critical_path(plan: Plan, cost: CostModel) -> float:
 
 
 def lower_bound(plan: Plan, cost: CostModel) -> float:
-    """Fluid lower bound Σ_i W_i / N + K·microbatch, with W_i = c_i · per_rank(L_i, c_i) the
-    total cost of sample i at its minimum CP size c_i and K = ⌈Σ L / (N · budget)⌉ the fewest
-    micro-batches the tokens fit in. It is a true lower bound of the critical path: the total
-    cost c · per_rank(L, c) = a·L + b·L²/η + comm·L·(c−1) (c > 1) never falls as c grows (η ≤ 1,
-    comm ≥ 0), the ring terms it leaves out are ≥ 0, every micro-batch's most-loaded rank
-    carries at least the micro-batch's mean load, and no plan has fewer than K micro-batches."""
+    """Fluid lower bound Σ_i (W_i + R_i) / N + K·microbatch, with W_i = c_i · per_rank(L_i, c_i)
+    the total cost of sample i at its minimum CP size c_i, R_i = L_i · ring_cost(c_i) / budget
+    its least share of ring steps, and K = ⌈Σ L / (N · budget)⌉ the fewest micro-batches the
+    tokens fit in. It is a true lower bound of the critical path:
+
+    - the total cost c · per_rank(L, c) = a·L + b·L²/η + comm·L·(c−1) (c > 1) never falls as c
+      grows (η ≤ 1, comm ≥ 0);
+    - a group of c ≥ c_i ranks pays c · ring_step·(c−1) in all for at most c · budget tokens, so
+      each of its tokens carries at least ring_step·(c_i−1) / budget of ring steps;
+    - every micro-batch's most-loaded rank carries at least the micro-batch's mean load, and no
+      plan has fewer than K micro-batches."""
     return fluid_lower_bound(plan.seqlens, plan.domain, cost)
 
 
@@ -51,7 +56,7 @@ def fluid_lower_bound(seqlens: Sequence[int], domain: Domain, cost: CostModel) -
     total = 0.0
     for seqlen in seqlens:
         size = domain.cp_degree(seqlen)
-        total += cost.per_rank(seqlen, size) * size
+        total += cost.per_rank(seqlen, size) * size + seqlen * cost.ring_cost(size) / domain.budget
     fewest = -(-sum(seqlens) // (domain.size * domain.budget))
     return total / domain.size + cost.microbatch * fewest
 

@@ -1,5 +1,10 @@
-"""``megatron-dcp benchmark``: the reference workloads under each cost model, then the plan time
-of every scheduler at N=64 and N=1024."""
+"""``megatron-dcp benchmark``: the target matrix (the reference workloads at each per-rank
+budget and VPP group size, under each cost model: our scheduler beside Megatron dev's greedy
+scheduler and megatron-core 0.19.2's), then the plan time of every scheduler at N=64 and N=1024.
+
+A workload's layout (dp × cp) is its own; its batch holds 8 × N × budget tokens, and lengths
+are capped at N × budget, the longest sequence the domain holds at that budget.
+"""
 
 from __future__ import annotations
 
@@ -8,48 +13,131 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.integration.data.lengths import sample_lengths
 from megatron_dcp.scheduling import CostModel, build_cost_model
 from megatron_dcp.scheduling.cost import COST_MODELS
+from megatron_dcp.tools.cli import positive_int
 from megatron_dcp.tools.compare import (
     DEV_PEER_ALIAS,
     PEER_ALIAS,
     Comparison,
     DomainSpec,
+    chosen_costs,
     evaluate,
-    format_comparison,
     render_table,
     run_scheduler,
 )
-from megatron_dcp.tools.workloads import REFERENCE_WORKLOADS, parse_distribution, reference_workload
+from megatron_dcp.tools.simulate import add_cost_profile_arg
+from megatron_dcp.tools.workloads import (
+    REFERENCE_WORKLOADS,
+    Workload,
+    parse_distribution,
+    reference_workload,
+)
 
-BENCHMARK_SCHEDULERS = ("default_dynamic_cp", "dp_balanced", DEV_PEER_ALIAS, PEER_ALIAS)
+OURS = "default_dynamic_cp"
+BENCHMARK_SCHEDULERS = (OURS, DEV_PEER_ALIAS, PEER_ALIAS)
+DEFAULT_COST_MODELS = ("model", "latency")
+DEFAULT_BUDGETS = (2048, 4096)
+DEFAULT_VPP = (1, 2, 4)
+# The quality target: a critical path within this factor of the lower bound.
+TARGET_RATIO = 1.05
 # The dev peer is a reading of the published algorithm written for clarity, not speed: its plan
 # time says nothing about upstream's, so the plan-time table leaves it out.
-TIMED_SCHEDULERS = ("default_dynamic_cp", "dp_balanced", PEER_ALIAS)
+TIMED_SCHEDULERS = (OURS, "dp_balanced", PEER_ALIAS)
 # (dp, cp, sequences) of the plan-time runs; the last one is skipped by --quick.
 TIMING_LAYOUTS = ((16, 4, 1024), (256, 4, 16384))
 TIMING_REPEATS = 3
 
 
-def benchmark_comparisons(args: argparse.Namespace) -> List[Comparison]:
-    """Every selected reference workload under every selected cost model, printed as it goes."""
+def matrix_lengths(workload: Workload, budget: int, seed: int) -> List[int]:
+    """8 × N × budget tokens of the workload's distribution, capped at N × budget."""
+    n = workload.domain_size
+    dist = parse_distribution(workload.distribution)
+    lengths = sample_lengths(dist, seed, total_tokens=8 * n * budget)
+    return [min(length, n * budget) for length in lengths]
+
+
+def matrix_cases(args: argparse.Namespace) -> List[Tuple[Workload, int, int]]:
+    """(workload, budget, VPP group size) of every case the flags select."""
     workloads = (
         [reference_workload(w) for w in args.workload] if args.workload else REFERENCE_WORKLOADS
     )
+    budgets = args.budget or DEFAULT_BUDGETS
+    vpps = args.vpp or DEFAULT_VPP
+    return [(w, b, v) for w in workloads for b in budgets for v in vpps]
+
+
+def benchmark_comparisons(args: argparse.Namespace) -> List[Comparison]:
+    """Every case under every selected cost model; each cost model's table printed as it ends."""
     comparisons = []
-    for cost_name in args.cost_model or list(COST_MODELS):
-        for workload in workloads:
-            spec = DomainSpec(workload.dp_size, workload.cp_size, workload.budget)
-            title = f"{workload.name}: {workload.description}"
-            lengths = workload.lengths(args.seed)
-            comparison = evaluate(title, lengths, spec, cost_name, BENCHMARK_SCHEDULERS)
-            comparisons.append(comparison)
-            if not args.json:
-                print(format_comparison(comparison) + "\n", flush=True)
+    for label, cost in chosen_costs(args.cost_model or DEFAULT_COST_MODELS, args.cost_profile):
+        table = []
+        for workload, budget, vpp in matrix_cases(args):
+            spec = DomainSpec(
+                workload.dp_size, workload.cp_size, budget, vpp=vpp if vpp > 1 else None
+            )
+            title = f"{workload.name} b{budget} vpp{vpp}"
+            lengths = matrix_lengths(workload, budget, args.seed)
+            table.append(evaluate(title, lengths, spec, (label, cost), BENCHMARK_SCHEDULERS))
+        comparisons += table
+        if not args.json:
+            print(format_matrix(label, table) + "\n", flush=True)
     return comparisons
+
+
+def figures(comparison: Comparison) -> Dict[str, Any]:
+    """scheduler -> report (None when it has no plan)."""
+    return {result.scheduler: result.report for result in comparison.results}
+
+
+def cell(report: Any) -> str:
+    """``CP/LB (micro-batches)`` or n/a."""
+    return "n/a" if report is None else f"{report.ratio:.3f} ({report.num_microbatches})"
+
+
+def format_matrix(label: str, table: Sequence[Comparison]) -> str:
+    """One row per case, ours beside the peers, and the summary of the targets."""
+    header = (
+        "case",
+        "layout",
+        "ours CP/LB (mb)",
+        "dev CP/LB (mb)",
+        "ours/dev",
+        "0.19.2 CP/LB (mb)",
+        "plan ms",
+    )
+    rows, ratios, within = [], [], 0
+    for comparison in table:
+        reports = list(figures(comparison).values())
+        ours, dev, old = (reports + [None] * 3)[:3]
+        ratio = ours.critical_path / dev.critical_path if ours and dev else None
+        if ratio is not None:
+            ratios.append(ratio)
+        within += bool(ours and ours.ratio <= TARGET_RATIO)
+        layout = f"dp{comparison.spec.dp_size}×cp{comparison.spec.cp_size}"
+        rows.append(
+            (
+                comparison.title,
+                layout,
+                cell(ours),
+                cell(dev),
+                f"{ratio:.3f}" if ratio is not None else "n/a",
+                cell(old),
+                f"{ours.plan_time_s * 1e3:.1f}" if ours else "n/a",
+            )
+        )
+    summary = (
+        f"ours/dev: mean {statistics.mean(ratios):.3f}, worst {max(ratios):.3f}, "
+        f"ours ≤ dev in {sum(r <= 1 for r in ratios)}/{len(ratios)}; "
+        f"ours ≤ {TARGET_RATIO} × LB in {within}/{len(table)}"
+        if ratios
+        else "no case with both plans"
+    )
+    title = f"== cost model '{label}': CP/LB = critical path / lower bound, (mb) = micro-batches"
+    return "\n".join([title, render_table(header, rows, "llrrrrr"), summary])
 
 
 @dataclass(frozen=True)
@@ -132,18 +220,33 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
 
 def add_benchmark(sub: Any) -> None:
     """The ``benchmark`` subcommand."""
-    p = sub.add_parser("benchmark", help="the reference workloads and plan-time scaling")
+    p = sub.add_parser("benchmark", help="the target matrix and plan-time scaling")
     p.add_argument(
         "--cost-model",
         choices=sorted(COST_MODELS),
         action="append",
-        help="restrict to this cost model (repeatable; default both)",
+        help=f"restrict to this cost model (repeatable; default {', '.join(DEFAULT_COST_MODELS)})",
     )
+    add_cost_profile_arg(p)
     p.add_argument(
         "--workload",
         action="append",
         metavar="NAME",
         help="restrict to these workloads (repeatable; name or 1-4)",
+    )
+    p.add_argument(
+        "--budget",
+        type=positive_int,
+        action="append",
+        metavar="TOKENS",
+        help=f"per-rank budgets (repeatable; default {' '.join(map(str, DEFAULT_BUDGETS))})",
+    )
+    p.add_argument(
+        "--vpp",
+        type=positive_int,
+        action="append",
+        metavar="K",
+        help="VPP micro-batch group sizes, 1 = no VPP (repeatable; default 1 2 4)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="skip the N=1024 plan-time run")

@@ -5,9 +5,10 @@ as a :class:`Comparison`, and its table."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling import CostModel, Scheduler, build_cost_model, build_scheduler
+from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.tools.cli import error_message
 from megatron_dcp.tools.plot import Panel, plan_panel
@@ -159,19 +160,28 @@ def run_scheduler(
     return run_ours(name, lengths, spec, cost, panel)
 
 
+def chosen_costs(names: Sequence[str], profile: Optional[str]) -> List[Tuple[str, CostModel]]:
+    """(label, cost model) to plan with: the ``--cost-profile`` file's when given, else the
+    named built-in ones."""
+    if profile:
+        loaded = load_profile(profile, flag="--cost-profile").cost
+        return [(f"profile {loaded.name}", loaded)]
+    return [(name, build_cost_model(name)) for name in names]
+
+
 def evaluate(
     title: str,
     lengths: List[int],
     spec: DomainSpec,
-    cost_name: str,
+    cost: Tuple[str, CostModel],
     schedulers: Sequence[str],
     panels: bool = False,
 ) -> Comparison:
-    """Every scheduler of ``schedulers`` on one workload under one cost model."""
-    cost = build_cost_model(cost_name)
-    comparison = Comparison(title, spec, cost_name, lengths)
+    """Every scheduler of ``schedulers`` on one workload under one (label, cost model)."""
+    label, model = cost
+    comparison = Comparison(title, spec, label, lengths)
     for name in schedulers:
-        comparison.results.append(run_scheduler(name, lengths, spec, cost, panels))
+        comparison.results.append(run_scheduler(name, lengths, spec, model, panels))
     return comparison
 
 

@@ -17,6 +17,7 @@ from megatron_dcp.tools.compare import (
     PEER_ALIAS,
     Comparison,
     DomainSpec,
+    chosen_costs,
     evaluate,
     format_comparison,
 )
@@ -84,7 +85,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     lengths = simulate_lengths(args, spec, workload)
     names = scheduler_names(args.scheduler, args.no_peer)
     title = simulate_title(args, workload)
-    comparison = evaluate(title, lengths, spec, args.cost_model, names, panels=bool(args.plot))
+    cost = chosen_costs([args.cost_model], args.cost_profile)[0]
+    comparison = evaluate(title, lengths, spec, cost, names, panels=bool(args.plot))
     print(
         json.dumps(comparison.as_dict(), indent=2) if args.json else format_comparison(comparison)
     )
@@ -148,6 +150,15 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cost_profile_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cost-profile",
+        metavar="PROFILE.json",
+        help="plan with this cost profile (written by `megatron-dcp calibrate`) instead of "
+        "--cost-model",
+    )
+
+
 def add_simulate(sub: Any) -> None:
     """The ``simulate`` subcommand."""
     choices = [*sorted(SCHEDULERS), DEV_PEER_ALIAS, PEER_ALIAS]
@@ -166,8 +177,10 @@ def add_simulate(sub: Any) -> None:
         "--cost-model",
         choices=sorted(COST_MODELS),
         default="model",
-        help="model: GEMM + attention + CP overhead of a Llama-3-8B-like model; attention: L²/c",
+        help="model: a Llama-3-8B-like model on H100 (seconds); latency: the same with an "
+        "expensive ring; attention: L²/c",
     )
+    add_cost_profile_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--plot", metavar="FILE.png", help="draw every plan into one PNG")
     p.add_argument("--no-peer", action="store_true", help=f"skip the {PEER_ALIAS} peer")

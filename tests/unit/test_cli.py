@@ -147,20 +147,40 @@ def test_peer_rejects_empty_sequences():
 def test_benchmark_restricted(monkeypatch, capsys):
     monkeypatch.setattr(benchmark, "TIMING_LAYOUTS", ((2, 2, 40), (4, 2, 80)))
     argv = ["benchmark", "--workload", "uniform", "--cost-model", "attention", "--quick"]
+    argv += ["--budget", "4096", "--vpp", "1", "--vpp", "2"]
     code, out, _ = run(capsys, argv)
     assert code == 0
-    assert "uniform" in out and "n/a   dp_balanced" in out and "default_dynamic_cp" in out
+    assert "uniform b4096 vpp1" in out and "uniform b4096 vpp2" in out and "b2048" not in out
+    assert "ours/dev: mean" in out and "ours ≤ 1.05 × LB in" in out
     assert "== plan time" in out and "dp 2 × cp 2" in out and "dp 4 × cp 2" not in out
 
 
 def test_benchmark_json(monkeypatch, capsys):
-    code, out, _ = run(
-        capsys, ["benchmark", "--workload", "4", "--no-timing", "--json", "--cost-model", "model"]
-    )
+    argv = ["benchmark", "--workload", "4", "--no-timing", "--json", "--cost-model", "model"]
+    code, out, _ = run(capsys, argv + ["--budget", "2048", "--vpp", "4"])
     data = json.loads(out)
     assert code == 0 and data["plan_time"] == [] and len(data["workloads"]) == 1
-    errors = [r for r in data["workloads"][0]["results"] if "error" in r]
-    assert [r["scheduler"] for r in errors] == ["dp_balanced"]
+    case = data["workloads"][0]
+    assert case["layout"]["vpp"] == 4 and case["layout"]["budget"] == 2048
+    names = [r["scheduler"] for r in case["results"]]
+    assert names[0] == "default_dynamic_cp" and len(names) == 3
+    assert case["results"][0]["num_microbatches"] % 4 == 0
+
+
+def test_benchmark_and_simulate_take_a_cost_profile(tmp_path, capsys):
+    from megatron_dcp.scheduling import CostModel
+    from megatron_dcp.scheduling.cost_fit import CostProfile, save_profile
+
+    path = tmp_path / "p.json"
+    save_profile(str(path), CostProfile(CostModel(1e-6, 1e-10, 0.0, 1e-4, 1.0, "mine", 1e-3), {}))
+    argv = ["benchmark", "--workload", "4", "--no-timing", "--budget", "4096", "--vpp", "1"]
+    code, out, _ = run(capsys, argv + ["--cost-profile", str(path)])
+    assert code == 0 and "cost model 'profile mine'" in out
+    code, out, _ = run(capsys, ["simulate", "--no-peer", "--cost-profile", str(path)])
+    assert code == 0 and "profile mine" in out
+    path.write_text("{}")
+    code, _, err = run(capsys, ["simulate", "--cost-profile", str(path)])
+    assert code == 2 and "--cost-profile=" in err and "megatron-dcp calibrate" in err
 
 
 def fake_fuzz(monkeypatch, violations):

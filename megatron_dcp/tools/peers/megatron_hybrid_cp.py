@@ -5,8 +5,9 @@ into barrier-separated *groups*; inside a group each rank runs its samples one f
 with no per-rank token budget, and a sample listed by ``c`` ranks runs with CP size ``c``. We run
 the real class (no re-implementation) and score its schedule under OUR cost model:
 
-* critical path = Σ_groups max_rank Σ_{samples of the rank} ``cost.group_cost([L], c)`` (one
-  forward pass per sample, so each pays its own ring steps);
+* critical path = Σ_groups max_rank Σ_{samples of the rank} (``cost.group_cost([L], c)`` +
+  ``cost.microbatch``) (one forward pass per sample, so each pays its own ring steps and fixed
+  cost);
 * ``num_microbatches`` = the most forward passes (samples) any rank runs; ``num_groups`` = groups;
 * tokens per rank = per group and rank Σ ``L / c``.
 """
@@ -72,10 +73,11 @@ class PeerSchedule:
 
     def rank_loads(self, group: int, cost: CostModel) -> List[float]:
         """Per-rank cost of one group: each sample is its own forward pass, so it pays its own
-        ring steps: Σ over the rank's samples of ``group_cost([L], c)``."""
+        ring steps and fixed cost: Σ over the rank's samples of ``group_cost([L], c)`` +
+        ``microbatch``."""
         sizes = self.cp_sizes(group)
         return [
-            sum(cost.group_cost([self.seqlens[i]], sizes[i]) for i in ids)
+            sum(cost.group_cost([self.seqlens[i]], sizes[i]) + cost.microbatch for i in ids)
             for ids in self.sample_id_groups[group]
         ]
 
