@@ -46,6 +46,7 @@ from megatron_dcp.scheduling.metrics import fluid_lower_bound
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.registry import Scheduler
+from megatron_dcp.scheduling.row_dissolving import dissolve_light_rows
 from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
 
 # A sample is heavy (opens a micro-batch of its own level) when it costs more per rank than
@@ -110,23 +111,28 @@ def aligned_plans(
     """Candidate plans of step 2 whose micro-batch count is a multiple of ``vpp``: the plan made
     aligned by :func:`align_to_vpp`, and (when it needed aligning, without ``all_heavy``) the
     plan whose buckets are as many more as the alignment needs, aligned in turn."""
-    rows = plan_rows(ctx, pool, all_heavy)
+    rows = plan_rows(ctx, pool, all_heavy, vpp=vpp)
     missing = (vpp - len(rows) % vpp) % vpp if vpp else 0
     plans = [align_to_vpp(ctx, rows, items, vpp)]
     if missing and not all_heavy:
-        more = plan_rows(ctx, pool, all_heavy, extra_buckets=missing)
+        more = plan_rows(ctx, pool, all_heavy, extra_buckets=missing, vpp=vpp)
         plans.append(align_to_vpp(ctx, more, items, vpp))
     return plans
 
 
 def plan_rows(
-    ctx: Context, pool: List[Item], all_heavy: bool = False, extra_buckets: int = 0
+    ctx: Context,
+    pool: List[Item],
+    all_heavy: bool = False,
+    extra_buckets: int = 0,
+    vpp: Optional[int] = None,
 ) -> List[Row]:
     """Step 2: micro-batches (rows of groups) until every sample of ``pool`` (heaviest first) is
     placed. While a sample is heavy (or always, with ``all_heavy``), the heaviest opens a
     micro-batch of its own level that takes fillers from the whole pool; the rest is split into
     buckets of equal work (``extra_buckets`` more than the tokens need), one micro-batch each,
-    leftovers carried to the next."""
+    leftovers carried to the next. Last, the lightest micro-batches are dissolved into the
+    others where that pays (``row_dissolving``; counts VPP would split again are undone)."""
     rows: List[Row] = []
     while pool and (all_heavy or is_heavy(ctx, pool)):
         row, pool = next_hdp_group(ctx, pool)
@@ -138,6 +144,7 @@ def plan_rows(
     while carry:
         row, carry = next_hdp_group(ctx, carry)
         rows.append(row)
+    dissolve_light_rows(ctx, rows, vpp)
     return rows
 
 

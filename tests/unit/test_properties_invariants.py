@@ -59,6 +59,7 @@ COSTS = st.builds(
     quadratic=st.floats(0.0, 1.0),
     comm=st.floats(0.0, 5.0),
     ring_step=st.floats(0.0, 500.0),
+    microbatch=st.floats(0.0, 1000.0),
     cp_efficiency=st.floats(0.3, 1.0),
 )
 

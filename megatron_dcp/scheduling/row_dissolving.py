@@ -1,0 +1,121 @@
+"""Step 2c of ``default_dynamic_cp``: ``dissolve_light_rows`` empties the lightest micro-batches
+into the groups of the others.
+
+The last micro-batches of a plan hold what the balanced ones left over. With few samples and no
+rank allowed to idle, their groups are large for their work, and under a cost with ring steps
+and a per-micro-batch fixed cost they are the most expensive work of the plan per token. A
+micro-batch is dissolved when every sample fits (by tokens and minimum CP size) into a group of
+another micro-batch and the peaks of those micro-batches grow by less than the dissolved
+micro-batch's peak plus its fixed cost: the critical path gets shorter.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from typing import List, Optional, Sequence, Tuple
+
+from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
+
+# Only micro-batches of at most this many samples are tried (each sample scans every row).
+DISSOLVE_SAMPLES = 64
+# Groups of one row examined per sample, least-loaded first, before the row is passed over.
+SCAN_LIMIT = 16
+
+Move = Tuple[GroupDraft, Item, float]
+
+
+def dissolve_light_rows(ctx: Context, rows: List[Row], vpp: Optional[int] = None) -> None:
+    """Dissolve the lightest micro-batch while that shortens the critical path. With ``vpp``,
+    keep the dissolutions up to the last micro-batch count that is a multiple of it (none when
+    no count on the way is): a count VPP must split again gains nothing."""
+    history: List[Tuple[int, Row, List[Move]]] = []
+    while len(rows) > 1:
+        index = min(range(len(rows)), key=lambda i: (peak(rows[i]), i))
+        if len(samples_of(rows[index])) > DISSOLVE_SAMPLES:
+            break
+        row, moves = rows[index], dissolve(ctx, rows, index)
+        if moves is None:
+            break
+        history.append((index, row, moves))
+    while vpp and len(rows) % vpp and history:
+        index, row, moves = history.pop()
+        undo(moves)
+        rows.insert(index, row)
+
+
+def peak(row: Row) -> float:
+    return max(group.load for group in row)
+
+
+def samples_of(row: Row) -> List[Item]:
+    return [item for group in row for item in group.items]
+
+
+def dissolve(ctx: Context, rows: List[Row], index: int) -> Optional[List[Move]]:
+    """Move every sample of ``rows[index]`` (heaviest first) to the group of another row where
+    its row's peak grows least; keep the moves and drop the row when the peaks grew by less than
+    the row's peak and fixed cost (returns the moves), else undo them (returns None)."""
+    saving = peak(rows[index]) + ctx.cost.microbatch
+    others = [Targets(row) for i, row in enumerate(rows) if i != index]
+    victims = sorted(samples_of(rows[index]), key=lambda it: (-it.seqlen, it.sample_id))
+    moves: List[Move] = []
+    growth = 0.0
+    for item in victims:
+        choice = best_target(ctx, others, item)
+        if choice is None or growth + choice[0] >= saving:
+            undo(moves)
+            return None
+        delta, targets, key = choice
+        moves.append(targets.add(key, item, ctx.load(item.seqlen, targets.row[key[2]].size)))
+        growth += delta
+    del rows[index]
+    return moves
+
+
+Key = Tuple[float, int, int]
+
+
+class Targets:
+    """The groups of one row as keys (load, block start, index) ordered least-loaded first, and
+    the row's peak."""
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+        self.order: List[Key] = sorted((g.load, g.block.start, i) for i, g in enumerate(row))
+        self.peak = peak(row)
+
+    def add(self, key: Key, item: Item, load: float) -> Move:
+        """Put ``item`` (per-rank cost ``load``) on the group of ``key``."""
+        group = self.row[key[2]]
+        self.order.remove(key)
+        group.push(item, load)
+        insort(self.order, (group.load, key[1], key[2]))
+        self.peak = max(self.peak, group.load)
+        return group, item, load
+
+
+def best_target(
+    ctx: Context, others: Sequence[Targets], item: Item
+) -> Optional[Tuple[float, Targets, Key]]:
+    """(peak growth, row, group key) of the least-loaded fitting group (among the first
+    ``SCAN_LIMIT``) of the row whose peak grows least (ties: the lowest resulting load); None
+    when the sample fits nowhere."""
+    best: Optional[Tuple[Tuple[float, float], Targets, Key]] = None
+    budget = ctx.domain.budget
+    for targets in others:
+        for key in targets.order[:SCAN_LIMIT]:
+            group = targets.row[key[2]]
+            if group.fits(item, budget):
+                after = group.load + ctx.load(item.seqlen, group.size)
+                rank = (max(0.0, after - targets.peak), after)
+                if best is None or rank < best[0]:
+                    best = (rank, targets, key)
+                break
+    return None if best is None else (best[0][0], best[1], best[2])
+
+
+def undo(moves: Sequence[Move]) -> None:
+    """Take the moved samples back out of their new groups (the caller restores their row)."""
+    for group, item, load in reversed(moves):
+        group.pop(item, load)
