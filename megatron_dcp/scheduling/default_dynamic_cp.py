@@ -1,14 +1,18 @@
 """``default_dynamic_cp``: the DCP scheduler.
 
-The objective is the critical path Σ_micro-batch max_rank cost. Micro-batches may differ in load;
-what costs time is imbalance *inside* a micro-batch and CP overhead. Steps (each a named function):
+The objective is the critical path Σ_micro-batch (max_rank cost + the fixed micro-batch cost).
+Micro-batches may differ in load; what costs time is imbalance *inside* a micro-batch, CP
+overhead (each group's ring steps, carried from its first sample, included) and micro-batches
+beyond the fewest. Steps (each a named function):
 
 1. ``heaviest_first``    – order the samples by least total work (cost at their minimum CP size).
 2. ``plan_rows``         – while ``is_heavy`` (a sample could match the mean level only on a CP
                            group whose overhead exceeds ``HEAVY_WASTE``), ``next_hdp_group`` forms
                            a micro-batch from the whole pool; the rest goes through
                            ``equalize_buckets`` (LPT into the fewest buckets of N × budget tokens,
-                           equal work) and one ``next_hdp_group`` per bucket, leftovers carried on.
+                           equal work) and one ``next_hdp_group`` per bucket, leftovers carried
+                           on; ``row_dissolving.dissolve_light_rows`` then empties light tail
+                           micro-batches into the others where that pays.
 3. ``next_hdp_group``    – one micro-batch: the heaviest sample opens it on a CP group of one of a
                            few sizes (``trial_sizes``), which sets the *level* (its per-rank cost,
                            at least ``fill_level``). Every other sample, heaviest first and then
@@ -24,10 +28,12 @@ what costs time is imbalance *inside* a micro-batch and CP overhead. Steps (each
                            lighter ones while that lowers the micro-batch's maximum
                            (``row_refinement``).
 6. ``align_to_vpp``      – split micro-batches until the count is a multiple of the VPP group size
-                           (or fall back to whole-domain micro-batches when there are too many).
+                           (or fall back to whole-domain micro-batches when there are too many);
+                           ``aligned_plans`` also re-plans with as many more buckets as needed.
 
-Batches of at most ``SEARCH_SAMPLES`` samples also try step 2 with every micro-batch formed from
-the whole pool, and keep the better plan (``plan_rank``, by ``draft_critical_path``). Cost: each
+Batches of at most ``SEARCH_SAMPLES`` samples, and plans VPP alignment would split, also try step
+2 with every micro-batch formed from the whole pool, and keep the best plan (``plan_rank``, by
+``draft_critical_path``). Cost: each
 micro-batch scans its pool once per trial (``MicroBatchBuilder`` stops a pass after ``FAIL_LIMIT``
 consecutive misses once no rank is free), with one heap of groups per CP size: O(K · T · n log N)
 for K micro-batches, T ≤ ``TRIALS`` trials and n samples. Every step takes the shared
@@ -79,6 +85,7 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         # variant (its own micro-batch count); the best plan wins.
         if len(items) <= SEARCH_SAMPLES or len(plans) > 1:
             plans += aligned_plans(ctx, pool, items, vpp, True)
+        plans.append(align_to_vpp(ctx, packed_rows(ctx, pool, vpp), items, vpp))
         bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
         best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         return [freeze_microbatch(row) for row in best]
@@ -144,6 +151,28 @@ def plan_rows(
     while carry:
         row, carry = next_hdp_group(ctx, carry)
         rows.append(row)
+    dissolve_light_rows(ctx, rows, vpp)
+    return rows
+
+
+def packed_rows(ctx: Context, pool: List[Item], vpp: Optional[int] = None) -> List[Row]:
+    """Step 2, packing variant: each micro-batch opens with the heaviest sample left on its
+    smallest CP size an empty micro-batch can hold, fills up to that sample's level, then takes whatever else of the pool its
+    tokens hold where the micro-batch's peak grows least (few micro-batches, each filled; the
+    strategy of Megatron dev's greedy scheduler, judged by this cost model)."""
+    rows: List[Row] = []
+    while pool:
+        builder = MicroBatchBuilder(ctx)
+        size = next(c for c in ctx.sizes_from(pool[0].min_cp) if ctx.openable(c))
+        builder.open(pool[0], size, 0.0)
+        rest = builder.fill_from(pool[1:])
+        if rest:
+            builder.level = float("inf")
+            rest = builder.fill_from(rest)
+        fill_empty_ranks(ctx, builder.groups, builder.free, rest)
+        rebalance_row(ctx, builder.groups)
+        rows.append(builder.groups)
+        pool = rest
     dissolve_light_rows(ctx, rows, vpp)
     return rows
 
@@ -326,15 +355,32 @@ def whole_domain_group(ctx: Context, items: Sequence[Item]) -> GroupDraft:
 
 
 def split_row(ctx: Context, rows: List[Row]) -> None:
-    """Replace the micro-batch with the most samples (≥ 2) by two, its samples split into halves
-    of equal work, each laid out as one micro-batch."""
-    index = max(range(len(rows)), key=lambda i: (sum(len(g.items) for g in rows[i]), -i))
-    items = [item for group in rows[index] for item in group.items]
-    assert len(items) >= 2, "a VPP split needs a micro-batch with two samples"
+    """Replace one micro-batch (≥ 2 samples) by two, its samples split into halves of equal
+    work, each laid out as one micro-batch: of the micro-batch with the most samples and the
+    lightest one, the split that adds the least to the critical path."""
+    splittable = [i for i, row in enumerate(rows) if sum(len(g.items) for g in row) >= 2]
+    assert splittable, "a VPP split needs a micro-batch with two samples"
+    fullest = max(splittable, key=lambda i: (sum(len(g.items) for g in rows[i]), -i))
+    lightest = min(splittable, key=lambda i: (max(g.load for g in rows[i]), i))
+    options = [
+        (index, split_halves(ctx, rows[index])) for index in dict.fromkeys((fullest, lightest))
+    ]
+    index, halves = min(options, key=lambda o: (split_growth(rows[o[0]], o[1]), o[0]))
+    rows[index : index + 1] = halves
+
+
+def split_halves(ctx: Context, row: Row) -> List[Row]:
+    """The samples of ``row`` in two halves of equal work, each laid out as one micro-batch."""
+    items = [item for group in row for item in group.items]
     capacity = ctx.domain.size * ctx.domain.budget
     halves = lpt_partition(items, 2, capacity, ctx.min_work)
     assert halves is not None and all(halves)
-    rows[index : index + 1] = [single_row(ctx, heaviest_first(ctx, half)) for half in halves]
+    return [single_row(ctx, heaviest_first(ctx, half)) for half in halves]
+
+
+def split_growth(row: Row, halves: Sequence[Row]) -> float:
+    """How much replacing ``row`` by ``halves`` adds to Σ peaks."""
+    return sum(max(g.load for g in half) for half in halves) - max(g.load for g in row)
 
 
 def single_row(ctx: Context, items: List[Item]) -> Row:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator, contains, parent_block
-from megatron_dcp.scheduling.domain import Block
+from megatron_dcp.scheduling.domain import Block, is_power_of_two
 from megatron_dcp.scheduling.draft import GroupDraft, Item
 from megatron_dcp.scheduling.dynamic_cp_context import EPS, Context, Row
 
@@ -21,8 +21,9 @@ def fill_empty_ranks(
 ) -> None:
     """Step 4: no rank may be idle. Each free block (smallest first) takes the sample whose move
     from a group holding several leaves the lowest load, else the lightest fitting sample of
-    ``spare`` (removed from it), else it and its neighbouring groups merge into one group over
-    the parent block."""
+    ``spare`` (removed from it); when neither exists, the groups grow into the free ranks
+    (:func:`grow_groups`, power-of-two domains) or the block and its neighbouring groups merge
+    into one group over the parent block."""
     while free.free:
         block = min(free.free, key=lambda b: (b.size, b.start))
         free.free.remove(block)
@@ -31,8 +32,57 @@ def fill_empty_ranks(
             group = ctx.group(block)
             group.push(item, ctx.load(item.seqlen, block.size))
             groups.append(group)
+        elif is_power_of_two(ctx.domain.size):
+            free.free.clear()
+            grow_groups(ctx, groups)
         else:
             merge_into_parent(ctx, groups, free, block)
+
+
+def grow_groups(ctx: Context, groups: Row) -> None:
+    """Fill the free ranks of a power-of-two domain by doubling groups, each time the one whose
+    doubling leaves the lowest peak (ties: the least added total cost), then lay the groups out
+    again on aligned blocks, largest first (positions do not change costs). A free rank count
+    is always a multiple of the smallest group size, so the doubling ends with no rank free."""
+    free = ctx.domain.size - sum(group.size for group in groups)
+    sizes = {id(group): group.size for group in groups}
+    while free > 0:
+        loads = {id(g): grown_load(ctx, g, sizes[id(g)]) for g in groups}
+        best = min(
+            (g for g in groups if sizes[id(g)] <= free),
+            key=lambda g: growth_key(groups, g, sizes, loads),
+        )
+        free -= sizes[id(best)]
+        sizes[id(best)] *= 2
+    layout(ctx, groups, sizes)
+
+
+def layout(ctx: Context, groups: Row, sizes: dict) -> None:
+    """Replace ``groups`` by groups of the given ``sizes`` over consecutive aligned blocks,
+    largest first (sizes are powers of two, so each block starts at a multiple of its size)."""
+    start, laid = 0, []
+    for group in sorted(groups, key=lambda g: (-sizes[id(g)], g.block.start)):
+        size = sizes[id(group)]
+        grown = ctx.group(Block(start, size))
+        for item in group.items:
+            grown.push(item, ctx.load(item.seqlen, size))
+        laid.append(grown)
+        start += size
+    groups[:] = laid
+
+
+def grown_load(ctx: Context, group: GroupDraft, size: int) -> float:
+    """Load of ``group``'s samples on ``size`` ranks (ring steps included)."""
+    return sum(ctx.load(item.seqlen, size) for item in group.items) + ctx.rings[size]
+
+
+def growth_key(groups: Row, group: GroupDraft, sizes: dict, loads: dict) -> tuple:
+    """(peak after doubling ``group``, total cost it adds, block start) for :func:`grow_groups`."""
+    size = sizes[id(group)]
+    doubled = loads[id(group)]
+    others = max((loads[id(g)] for g in groups if g is not group), default=0.0)
+    added = doubled * 2 * size - loads[id(group)] * size
+    return (max(others, doubled), added, group.block.start)
 
 
 def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:

@@ -44,8 +44,8 @@ DEFAULT_BUDGETS = (2048, 4096)
 DEFAULT_VPP = (1, 2, 4)
 # The quality target: a critical path within this factor of the lower bound.
 TARGET_RATIO = 1.05
-# The dev peer is a reading of the published algorithm written for clarity, not speed: its plan
-# time says nothing about upstream's, so the plan-time table leaves it out.
+# The dev peer is our re-implementation of upstream's algorithm, written for clarity, not speed:
+# its plan time says nothing about upstream's, so the plan-time table leaves it out.
 TIMED_SCHEDULERS = (OURS, "dp_balanced", PEER_ALIAS)
 # (dp, cp, sequences) of the plan-time runs; the last one is skipped by --quick.
 TIMING_LAYOUTS = ((16, 4, 1024), (256, 4, 16384))

@@ -1,8 +1,8 @@
 """``megatron-dcp`` command line: simulate schedulers on a workload, run the reference benchmark,
-fuzz the plan invariants. ``main(argv)`` returns the exit code (0 ok, 1 fuzz violations, 2 bad
-input).
+fuzz the plan invariants, calibrate the cost model on the real backend. ``main(argv)`` returns
+the exit code (0 ok, 1 fuzz violations or a failed calibration, 2 bad input).
 
-One module per subcommand (``simulate``, ``benchmark``, ``fuzz``), each with its ``add_*`` parser
+One module per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``), each with its ``add_*`` parser
 function and ``cmd_*``; this module assembles the parser and holds what they share: the argument
 types and the wording of scheduling errors in the simulator's flags.
 """
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``megatron-dcp`` argument parser with its three subcommands."""
     # Imported here: the subcommand modules import this module's argument types and wording.
     from megatron_dcp.tools.benchmark import add_benchmark
+    from megatron_dcp.tools.calibrate import add_calibrate
     from megatron_dcp.tools.fuzz_command import add_fuzz
     from megatron_dcp.tools.simulate import add_simulate
 
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate(sub)
     add_benchmark(sub)
     add_fuzz(sub)
+    add_calibrate(sub)
     return parser
 
 
