@@ -81,11 +81,11 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         pool = heaviest_first(ctx, items)
         vpp = self.microbatch_group_size_per_vp_stage
         plans = aligned_plans(ctx, pool, items, vpp, False)
-        # Small batches, and plans that VPP alignment would split, also try the all-levels
-        # variant (its own micro-batch count); the best plan wins.
+        # Small batches, and plans that VPP alignment would split, also try the all-levels and
+        # the packing variants (their own micro-batch counts); the best plan wins.
         if len(items) <= SEARCH_SAMPLES or len(plans) > 1:
             plans += aligned_plans(ctx, pool, items, vpp, True)
-        plans.append(align_to_vpp(ctx, packed_rows(ctx, pool, vpp), items, vpp))
+            plans.append(align_to_vpp(ctx, packed_rows(ctx, pool, vpp), items, vpp))
         bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
         best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         return [freeze_microbatch(row) for row in best]

@@ -66,8 +66,31 @@ class MicroBatchBuilder:
 
     def place(self, item: Item) -> bool:
         """Put ``item`` on a fresh block of the smallest size whose cost fits under the level,
-        else on the least-loaded group where it fits; False when it fits nowhere."""
+        else on the least-loaded group where it fits; False when it fits nowhere. Without a
+        level (``level`` infinite), where its resulting load is least (:meth:`_place_lowest`)."""
+        if self.level == float("inf"):
+            return self._place_lowest(item)
         return self._place_fresh(item) or self._join(item)
+
+    def _place_lowest(self, item: Item) -> bool:
+        """Put ``item`` where its resulting per-rank load is least: the cheapest fresh block of
+        any size ≥ its minimum, unless joining a group ends lower."""
+        fresh: Optional[Tuple[float, int]] = None
+        if self.free.free:
+            for size in self.ctx.sizes_from(item.min_cp):
+                load = self.ctx.alone(item.seqlen, size)
+                if (fresh is None or load < fresh[0]) and self.free.can_allocate(size):
+                    fresh = (load, size)
+        self.level = fresh[0] if fresh else float("inf")
+        try:
+            if self._join(item):
+                return True
+        finally:
+            self.level = float("inf")
+        if fresh is None:
+            return False
+        self._add_group(item, fresh[1])
+        return True
 
     def undo(self) -> None:
         """Take back the placements recorded in the journal (the heaps are not kept: call only
