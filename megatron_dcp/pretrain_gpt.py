@@ -6,6 +6,10 @@
 Everything is megatron's own ``pretrain`` loop (checkpointing, logging, optimizer, schedules);
 DCP adds its flags, a variable-length dataset, and replaces the forward-backward function with
 the DCP wrapper. Without CUDA the CPU backend is chosen automatically and says so once.
+
+The scheduler plans with the trained model's cost model (its shape from the flags, on the
+backend's hardware profile; ``--dcp-cost-profile`` for a calibrated one), refined after every
+step from the measured times unless ``--dcp-cost-adapt off``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import print_rank_0, print_rank_last  # noqa: E402
 
 from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args  # noqa: E402
+from megatron_dcp.integration.cost_models import describe_cost  # noqa: E402
 from megatron_dcp.integration.cpu.attention import reference_layer_spec  # noqa: E402
 from megatron_dcp.integration.data.datasets import build_varlen_datasets  # noqa: E402
 from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
@@ -153,6 +158,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     config = check_args(args)
     if ON_CPU:
         print_rank_0(cpu_notice())
+    print_rank_0(describe_cost(config.cost_model))
     apply_patches()
     install_dcp_schedule(config, log=print_rank_last)
     model_config = gpt_config_from_args(args)

@@ -5,6 +5,10 @@ scheduling errors into the flags the user typed.
 training entry point) or from keywords (:meth:`DCPConfig.for_model` and the constructor, the RL
 adapter and tests). Either way the same ``__post_init__`` validates it, before the first step,
 with ``ValueError``s that name the flag, the value and the fix.
+
+The cost model the scheduler plans with is the trained model's (its shape on the backend's
+hardware profile, ``integration.cost_models``) unless ``--dcp-cost-profile`` gives a measured one;
+``--dcp-cost-adapt`` refines it from measured step times while training runs.
 """
 
 from __future__ import annotations
@@ -13,16 +17,26 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
+from megatron_dcp.integration.cost_models import (
+    cost_model_of,
+    model_shape_from_args,
+    model_shape_of,
+)
 from megatron_dcp.runtime.packing import padding_multiple
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
+from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import is_power_of_two
 from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES
 
 DCP_FLAG = "--dynamic-context-parallel"
 MIN_CP_FLAG = "--min-dynamic-context-parallel-size"
 SCHEDULER_FLAG = "--sequence-packing-scheduler"
 BUDGET_FLAG = "--max-seqlen-per-dp-cp-rank"
 VPP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+COST_PROFILE_FLAG = "--dcp-cost-profile"
+HARDWARE_FLAG = "--dcp-hardware-profile"
+COST_ADAPT_FLAG = "--dcp-cost-adapt"
 DEFAULT_SCHEDULER = "default_dynamic_cp"
 
 # The training flags of the scheduling parameters that SchedulingErrors name.
@@ -33,8 +47,8 @@ FLAGS = {
     "cp_size": "--context-parallel-size",
     "vpp": VPP_FLAG,
     "scheduler": SCHEDULER_FLAG,
-    "cost_model": "the cost model",
-    "hardware": "--dcp-hardware-profile",
+    "cost_model": f"the cost model ({COST_PROFILE_FLAG} or {HARDWARE_FLAG})",
+    "hardware": HARDWARE_FLAG,
     "batch": "a larger --global-batch-size",
     "max_seqlen": "a smaller --seq-length",
 }
@@ -82,7 +96,33 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="Mock data whose lengths are read from this file (one per line).",
     )
+    add_cost_args(group)
     return parser
+
+
+def add_cost_args(group: Any) -> None:
+    """The flags of the cost model the scheduler plans with."""
+    group.add_argument(
+        COST_PROFILE_FLAG,
+        default=None,
+        metavar="PATH",
+        help="Plan with the cost profile written by `megatron-dcp calibrate --output PATH` "
+        "(default: the trained model's shape on the hardware profile).",
+    )
+    group.add_argument(
+        HARDWARE_FLAG,
+        default=None,
+        choices=sorted(HARDWARE_PROFILES),
+        help="Hardware profile of the default cost model (default: cpu-gloo on the CPU "
+        "backend, h100-nvlink otherwise).",
+    )
+    group.add_argument(
+        COST_ADAPT_FLAG,
+        default="on",
+        choices=("on", "off"),
+        help="Refine the cost model after every training step from the measured "
+        "forward-backward times of the DP×CP ranks (default on).",
+    )
 
 
 @dataclass(frozen=True)
@@ -103,10 +143,12 @@ class DCPConfig:
     sequence_parallel: bool = False
     microbatch_group_size_per_vp_stage: Optional[int] = None
     cost_model: Optional[CostModel] = None
+    cost_adapt: bool = True
 
     def __post_init__(self) -> None:
         check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
         check_scheduler(self.scheduler)
+        check_cost(self.cost_model, self.cost_adapt)
         if not is_power_of_two(self.min_cp_size):
             raise ValueError(
                 f"{MIN_CP_FLAG}={self.min_cp_size!r}: must be a power of two (1, 2, 4, ...) no "
@@ -134,14 +176,23 @@ class DCPConfig:
             microbatch_group_size_per_vp_stage=(
                 getattr(args, "microbatch_group_size_per_vp_stage", None) if vpp else None
             ),
+            cost_model=cost_model_from_args(args),
+            cost_adapt=getattr(args, "dcp_cost_adapt", "on") == "on",
         )
 
     @classmethod
     def for_model(
-        cls, config: Any, max_seqlen_per_dp_cp_rank: int, **overrides: Any
+        cls,
+        config: Any,
+        max_seqlen_per_dp_cp_rank: int,
+        vocab_size: Optional[int] = None,
+        hardware: Optional[str] = None,
+        **overrides: Any,
     ) -> "DCPConfig":
         """The configuration for a megatron model with TransformerConfig ``config`` (static CP,
-        TP, sequence parallelism and the VPP micro-batch group size are read from it)."""
+        TP, sequence parallelism and the VPP micro-batch group size are read from it). Unless
+        ``cost_model`` is given, the cost model is the model's shape (with a ``vocab_size``
+        output head) on the ``hardware`` profile (default: by backend)."""
         values = dict(
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             cp_size=config.context_parallel_size,
@@ -149,19 +200,25 @@ class DCPConfig:
             sequence_parallel=config.sequence_parallel,
             microbatch_group_size_per_vp_stage=vpp_group_size(config),
         )
+        if overrides.get("cost_model") is None:
+            overrides["cost_model"] = model_cost_model(config, vocab_size, hardware)
         return cls(**{**values, **overrides})
 
     def with_model(self, config: Any) -> "DCPConfig":
         """This configuration checked against the model it runs: the parallel sizes must agree
         (the model's VPP micro-batch group size is taken when only the model knows it)."""
-        model = DCPConfig.for_model(config, self.max_seqlen_per_dp_cp_rank)
+        model = DCPConfig.for_model(
+            config, self.max_seqlen_per_dp_cp_rank, cost_model=self.cost_model
+        )
         for name in ("cp_size", "tp_size", "sequence_parallel"):
             if getattr(self, name) != getattr(model, name):
                 raise ValueError(
                     f"DCPConfig.{name}={getattr(self, name)!r} but the model has "
                     f"{getattr(model, name)!r}: build the DCPConfig with DCPConfig.for_model."
                 )
-        return replace(self, microbatch_group_size_per_vp_stage=model.vpp_group)
+        return replace(
+            self, microbatch_group_size_per_vp_stage=model.vpp_group, cost_model=model.cost_model
+        )
 
     @property
     def vpp_group(self) -> Optional[int]:
@@ -190,6 +247,41 @@ class DCPConfig:
             )
         except SchedulingError as error:
             raise flag_error(error) from None
+
+
+def cost_model_from_args(args: argparse.Namespace) -> CostModel:
+    """The cost model of a training run: the ``--dcp-cost-profile`` file when given, else the
+    trained model's shape on the ``--dcp-hardware-profile`` (default: by backend)."""
+    path = getattr(args, "dcp_cost_profile", None)
+    if path:
+        return load_profile(path, flag=COST_PROFILE_FLAG).cost
+    try:
+        return cost_model_of(
+            model_shape_from_args(args), getattr(args, "dcp_hardware_profile", None)
+        )
+    except SchedulingError as error:
+        raise flag_error(error) from None
+
+
+def model_cost_model(config: Any, vocab_size: Optional[int], hardware: Optional[str]) -> CostModel:
+    """The cost model of a model with TransformerConfig ``config`` (errors name the flags)."""
+    try:
+        return cost_model_of(model_shape_of(config, vocab_size), hardware)
+    except SchedulingError as error:
+        raise flag_error(error) from None
+
+
+def check_cost(cost_model: Optional[CostModel], cost_adapt: bool) -> None:
+    """The cost model is a CostModel (or None: the scheduler's default) and adapting is on/off."""
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(
+            f"DCPConfig.cost_model={cost_model!r}: pass a megatron_dcp.scheduling.CostModel, or "
+            f"a profile file with {COST_PROFILE_FLAG}."
+        )
+    if not isinstance(cost_adapt, bool):
+        raise ValueError(
+            f"{COST_ADAPT_FLAG}={cost_adapt!r}: must be on or off (DCPConfig.cost_adapt: bool)."
+        )
 
 
 def vpp_group_size(config: Any) -> Optional[int]:

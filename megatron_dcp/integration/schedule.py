@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_dcp.integration.config import DCPConfig, plan_with
+from megatron_dcp.integration.cost_models import predicted_step_time
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
 from megatron_dcp.runtime.routing import RoutedSamples, SampleSchema, route_samples
-from megatron_dcp.scheduling import CPGroup, Plan
+from megatron_dcp.scheduling import CostModel, CPGroup, Plan
 from megatron_dcp.scheduling.metrics import plan_imbalance
 from megatron_dcp.scheduling.registry import Scheduler
 
@@ -57,6 +58,8 @@ class BatchStats:
     bytes_received: int
     # Σ_micro-batch max-rank cost / Σ_micro-batch mean-rank cost, from the scheduler's cost model.
     estimated_imbalance: float
+    # Forward-backward seconds of the busiest position under the cost model that planned it.
+    predicted_step_s: float = 0.0
 
 
 @dataclass
@@ -65,7 +68,8 @@ class DCPForwardBackward:
 
     ``groups`` are the DCP process groups (and this rank's position in the domain); ``dp_group``
     joins the ranks that hold different samples (same CP rank, other DP ranks); ``domain_group``
-    is the DP×CP group.
+    is the DP×CP group. ``plan`` is the plan of the last global batch; :meth:`use_cost_model`
+    changes the cost model the next ones are planned with.
     """
 
     forward_backward_func: Callable[..., Any]
@@ -75,6 +79,7 @@ class DCPForwardBackward:
     dp_group: Any
     domain_group: Any
     stats: List[BatchStats] = field(default_factory=list)
+    plan: Optional[Plan] = None
 
     def __call__(
         self,
@@ -115,7 +120,12 @@ class DCPForwardBackward:
         ]
         stats = batch_stats(plan, plan_time, batches, routed.bytes_received, self.scheduler)
         self.stats.append(stats)
+        self.plan = plan
         return batches
+
+    def use_cost_model(self, cost: CostModel) -> None:
+        """Plan the next global batches with ``cost`` (every rank must pass the same one)."""
+        self.scheduler.cost_model = cost
 
     def route(self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample]) -> RoutedSamples:
         """Step 3: send and receive samples so that this rank holds those of its groups."""
@@ -194,6 +204,7 @@ def batch_stats(
         local_tokens=sum(int(b["tokens"].shape[-1]) for b in batches),
         bytes_received=bytes_received,
         estimated_imbalance=plan_imbalance(plan, scheduler.cost_model),
+        predicted_step_s=predicted_step_time(plan, scheduler.cost_model),
     )
 
 

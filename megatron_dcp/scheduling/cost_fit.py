@@ -145,8 +145,9 @@ def relative_errors(theta: Sequence[float], rows, times) -> Vector:
 
 class OnlineRefinement:
     """Recursive least squares with forgetting on relative errors, in units of a prior cost
-    model: ``θ_j = prior_j · f_j``, the factors ``f`` start at 1 with variance ``1`` (so a
-    handful of steps cannot move a coefficient the plans have not exercised) and stay within
+    model: ``θ_j = prior_j · f_j``. The first step scales all factors by the median measured /
+    predicted time; then the factors move with variance ``1`` (so a handful of steps cannot move
+    a coefficient the plans have not exercised away from the scaled prior) and stay within
     ``bounds``. Every rank feeds the same observations in the same order and gets the same
     floats."""
 
@@ -176,6 +177,8 @@ class OnlineRefinement:
     def update(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> CostModel:
         """Take one step's observations (features and measured seconds per rank); returns the
         refined cost model. Points with no time are skipped."""
+        if self.updates == 0:
+            self._rescale(rows, times)
         lam = self.forgetting
         self.covariance = [[p / lam for p in row] for row in self.covariance]
         for row, t in zip(rows, times):
@@ -185,6 +188,19 @@ class OnlineRefinement:
         self.factors = [min(high, max(low, f)) for f in self.factors]
         self.updates += 1
         return self.cost
+
+    def _rescale(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> None:
+        """First step: scale every factor by the median measured / predicted time, so that a
+        prior off by a constant factor (another machine, another model) is right at once and
+        the RLS steps only shape the coefficients."""
+        theta = self.theta
+        ratios = sorted(
+            t / p for row, t in zip(rows, times) if t > 0 and (p := predict(theta, row)) > 0
+        )
+        if ratios:
+            scale = ratios[len(ratios) // 2]
+            low, high = self.bounds
+            self.factors = [min(high, max(low, f * scale)) for f in self.factors]
 
     def _observe(self, z: Vector) -> None:
         """One RLS step towards ``z · f = 1``."""

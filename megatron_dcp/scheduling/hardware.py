@@ -2,7 +2,7 @@
 
 A :class:`HardwareProfile` holds per-GPU (or per-CPU-rank) rates and latencies; together with a
 :class:`~megatron_dcp.scheduling.model_shape.ModelShape` it gives a
-:class:`~megatron_dcp.scheduling.cost.CostModel` in seconds (:func:`cost_model_for`). The values
+:class:`~megatron_dcp.scheduling.cost.CostModel` in seconds (:meth:`~megatron_dcp.scheduling.cost.CostModel.from_model_shape`). The values
 are a-priori estimates, each with its source below; ``megatron-dcp calibrate`` measures the real
 ones, and online refinement corrects them while training runs.
 """
@@ -61,23 +61,24 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
         layer_pass_overhead=10e-6,
         cp_efficiency=0.95,
     ),
-    # The CPU backend of this project (gloo, fp32, one thread per rank):
-    # - 50 GFLOP/s: one AVX2 core's fp32 FMA peak (2 FMA units × 8 lanes × 2 FLOPs × ≈ 2 GHz ≈
-    #   64, less turbo headroom), GEMMs at 50 %;
-    # - attention at 20 %: the reference attention materialises L×L scores, memory-bound;
-    # - 2 GB/s loopback TCP for gloo, nothing hidden (K/V are gathered before attention);
-    # - 100 µs per collective step: a gloo round trip on loopback TCP;
-    # - 300 µs per layer pass: Python and autograd dispatch of a small layer.
-    # ``megatron-dcp calibrate`` replaces these with measured values.
+    # The CPU backend of this project (gloo, fp32, one thread per rank), measured by
+    # `megatron-dcp calibrate` on the project's 2-core machine (2 layers, hidden 128, FFN 512,
+    # 2 ranks; docs/cost_model.md has the run):
+    # - peak 96 GFLOP/s: one AVX2 core's fp32 FMA peak (2 FMA units × 8 lanes × 2 FLOPs × 3 GHz);
+    #   GEMMs reached 54 GFLOP/s (56 %);
+    # - attention 7.4 GFLOP/s (8 %): the reference attention materialises L×L scores;
+    # - 0.22 GB/s for K/V through gloo, nothing hidden (K/V are gathered before attention);
+    # - 4 ms per CP step of a layer pass and 2 ms per layer pass: gloo round trips and the Python
+    #   and autograd dispatch of a small layer dominate on CPU.
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo",
-        peak_flops=50e9,
-        gemm_efficiency=0.5,
-        attention_efficiency=0.2,
-        link_bandwidth=2e9,
+        peak_flops=96e9,
+        gemm_efficiency=0.56,
+        attention_efficiency=0.08,
+        link_bandwidth=0.22e9,
         exposed_fraction=1.0,
-        ring_step_latency=100e-6,
-        layer_pass_overhead=300e-6,
+        ring_step_latency=4e-3,
+        layer_pass_overhead=2e-3,
         bytes_per_element=4,
     ),
 }

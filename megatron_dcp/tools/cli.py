@@ -55,7 +55,7 @@ def power_of_two(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``megatron-dcp`` argument parser with its three subcommands."""
+    """The ``megatron-dcp`` argument parser with its subcommands."""
     # Imported here: the subcommand modules import this module's argument types and wording.
     from megatron_dcp.tools.benchmark import add_benchmark
     from megatron_dcp.tools.calibrate import add_calibrate

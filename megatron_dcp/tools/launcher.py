@@ -18,13 +18,14 @@ ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.eE+-]+
 DCP_LINE = re.compile(
     r"\[DCP\] iteration\s+(\d+) \| micro-batches: (\d+) \| CP sizes \(size:seqs\): ([\d: ]+) \| "
     r"plan time \(ms\): ([\d.]+) \| load imbalance est\./meas\.: ([\d.]+)/([\d.]+) \| "
-    r"tokens/s: (\d+)"
+    r"fwd-bwd time \(ms\) pred\./meas\.: ([\d.]+)/([\d.]+) \| tokens/s: (\d+)"
 )
 
 
 @dataclass(frozen=True)
 class DCPFigures:
-    """The ``[DCP]`` line of one iteration."""
+    """The ``[DCP]`` line of one iteration (the forward-backward times of the busiest position:
+    predicted by the cost model that planned the step, and measured)."""
 
     microbatches: int
     cp_sizes: Dict[int, int]
@@ -32,6 +33,8 @@ class DCPFigures:
     estimated_imbalance: float
     measured_imbalance: float
     tokens_per_s: int
+    predicted_step_ms: float = 0.0
+    measured_step_ms: float = 0.0
 
 
 @dataclass
@@ -55,7 +58,9 @@ def parse_log(text: str) -> RunLog:
             float(match.group(4)),
             float(match.group(5)),
             float(match.group(6)),
-            int(match.group(7)),
+            int(match.group(9)),
+            predicted_step_ms=float(match.group(7)),
+            measured_step_ms=float(match.group(8)),
         )
     return log
 

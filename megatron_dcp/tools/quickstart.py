@@ -5,7 +5,9 @@ data — static CP (``dp_balanced``) and DCP (``default_dynamic_cp``) — and co
 
 Prints the per-iteration loss of both runs (they must agree: DCP changes speed, never math), the
 micro-batch counts, CP-size histograms, per-rank load imbalance and throughput, and writes the
-plans of the first iteration as a picture.
+plans of the first iteration as a picture, re-planned with the cost model the runs planned
+iteration 1 with (the model flags' shape on their hardware profile; the online refinement only
+changes the plans of later iterations).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+from megatron_dcp.scheduling import CostModel, Plan, build_scheduler
 from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
 from megatron_dcp.tools.plot import require_matplotlib
 
@@ -44,6 +47,7 @@ MODEL: Dict[str, object] = {
     "--eval-iters": 0,
     "--eval-interval": 1000,
     "--log-interval": 1,
+    "--dcp-hardware-profile": "cpu-gloo",
 }
 SCHEDULERS = ("dp_balanced", "default_dynamic_cp")
 LOSS_RTOL = 1e-5
@@ -93,27 +97,43 @@ def first_batch_lengths() -> List[int]:
     return [train_ds.sequence_length(i) for i in range(len(train_ds))]
 
 
-def plot_first_plans(lengths: Sequence[int], path: Path) -> Dict[str, int]:
-    """Plan iteration 1 with both schedulers (as the runs did) and draw them side by side."""
-    from megatron_dcp.scheduling import build_scheduler
-    from megatron_dcp.tools.plot import plan_panel, plot_panels
-    from megatron_dcp.tools.simulator import report
+def run_cost_model() -> CostModel:
+    """The cost model the runs planned iteration 1 with, built from the model flags exactly as
+    ``DCPConfig.from_args`` builds it."""
+    from megatron_dcp.integration.config import cost_model_from_args
 
-    panels, counts = [], {}
+    names = {flag.lstrip("-").replace("-", "_"): value for flag, value in MODEL.items()}
+    return cost_model_from_args(argparse.Namespace(**names))
+
+
+def first_plans(lengths: Sequence[int]) -> Dict[str, Plan]:
+    """Iteration 1 planned by both schedulers as the runs planned it (with the runs' cost
+    model)."""
+    cost = run_cost_model()
+    plans = {}
     for name in SCHEDULERS:
         scheduler = build_scheduler(
             name,
             dp_size=NPROC // (TP * CP),
             cp_size=CP,
             max_seqlen_per_dp_cp_rank=int(MODEL["--max-seqlen-per-dp-cp-rank"]),
+            cost_model=cost,
         )
-        plan = scheduler.schedule(lengths)
-        panels.append(
-            plan_panel(plan, scheduler.cost_model, report(name, plan, scheduler.cost_model))
-        )
-        counts[name] = plan.num_microbatches
+        plans[name] = scheduler.schedule(lengths)
+    return plans
+
+
+def plot_first_plans(lengths: Sequence[int], path: Path) -> Dict[str, int]:
+    """Plan iteration 1 with both schedulers (as the runs did) and draw them side by side."""
+    from megatron_dcp.tools.plot import plan_panel, plot_panels
+    from megatron_dcp.tools.simulator import report
+
+    cost, panels = run_cost_model(), []
+    plans = first_plans(lengths)
+    for name, plan in plans.items():
+        panels.append(plan_panel(plan, cost, report(name, plan, cost)))
     plot_panels(panels, str(path), suptitle="iteration 1: static CP (left) and DCP (right)")
-    return counts
+    return {name: plan.num_microbatches for name, plan in plans.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -97,6 +97,9 @@ def test_a_registered_scheduler_can_be_chosen_from_the_command_line(registered_s
         context_parallel_size=2,
         tensor_model_parallel_size=1,
         sequence_parallel=False,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
     )
     dcp = DCPConfig.from_args(args)
     assert isinstance(dcp.build_scheduler(4), registered_scheduler)

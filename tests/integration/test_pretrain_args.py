@@ -22,6 +22,11 @@ GOOD = dict(
     seq_length=1024,
     tensor_model_parallel_size=1,
     sequence_parallel=False,
+    # The trained model (its cost model is the scheduler's; tests/integration/test_cost_models.py).
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=128,
 )
 
 

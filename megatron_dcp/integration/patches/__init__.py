@@ -2,7 +2,8 @@
 
 Groups, applied by the functions below (each idempotent; each entry restorable):
 
-- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, TE attention);
+- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, TE attention), and
+  the timer of megatron's backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
@@ -37,6 +38,7 @@ from megatron_dcp.integration.patches.table import (
     megatron_version,
     restore,
 )
+from megatron_dcp.integration.patches.timing import TIMING_PATCHES, timed, timing_backward
 from megatron_dcp.integration.patches.training import TRAINING_PATCHES, use_schedule
 
 PATCHES: Tuple[Entry, ...] = (
@@ -44,6 +46,7 @@ PATCHES: Tuple[Entry, ...] = (
     *CPU_BACKEND_PATCHES,
     *CPU_TRAINING_PATCHES,
     *DCP_PATCHES,
+    *TIMING_PATCHES,
     *PIPELINE_PATCHES,
 )
 GROUPS = ("training", "cpu_backend", "cpu_training", "dcp", "pipeline")
@@ -132,5 +135,7 @@ __all__ = [
     "swap_pg_collection_cp",
     "switching",
     "te_attention_forward",
+    "timed",
+    "timing_backward",
     "use_schedule",
 ]

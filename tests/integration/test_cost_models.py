@@ -1,0 +1,258 @@
+"""The cost model of the trained model: read from megatron's TransformerConfig and from its parsed
+arguments (the same shape either way), changed the right way by model size, TP, MoE, MTP and a
+hybrid layer pattern; what ``pretrain_gpt`` and ``DCPConfig.for_model`` plan with by default, with
+``--dcp-cost-profile`` and ``--dcp-hardware-profile``; the three flags; the ``[DCP]`` log line's
+new fields as the launcher reads them; the quick-start's re-plan uses the run's cost model."""
+
+from argparse import ArgumentParser, Namespace
+
+import pytest
+
+from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES
+
+pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+
+from megatron_dcp.integration.config import DCPConfig, add_dcp_args  # noqa: E402
+from megatron_dcp.integration.cost_models import (  # noqa: E402
+    cost_model_of,
+    model_shape_from_args,
+    model_shape_of,
+)
+from megatron_dcp.scheduling import CostModel  # noqa: E402
+from megatron_dcp.scheduling.cost_fit import CostProfile, coefficients, save_profile  # noqa: E402
+from megatron_dcp.scheduling.model_shape import ModelShape  # noqa: E402
+
+SMALL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024)
+LARGE = dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048)
+FLAGS = {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"}
+
+
+def transformer_config(**fields):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**{**SMALL, "use_cpu_initialization": True, **fields})
+
+
+def cost(config, hardware="cpu-gloo", vocab=1000) -> CostModel:
+    return cost_model_of(model_shape_of(config, vocab), hardware)
+
+
+@pytest.fixture(scope="module")
+def pretrain_gpt():
+    from megatron_dcp import pretrain_gpt
+
+    return pretrain_gpt
+
+
+def megatron_args(pretrain_gpt, *flags: str) -> Namespace:
+    """megatron's parser with the DCP flags (no validation: no process group needed)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    argv = ["--dynamic-context-parallel", "--micro-batch-size", "1", *flags]
+    parser = pretrain_gpt.extra_args(argv)(
+        add_megatron_arguments(ArgumentParser(allow_abbrev=False))
+    )
+    return parser.parse_args()
+
+
+def size_flags(size: dict) -> list:
+    return [x for name, value in size.items() for x in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def training_args(pretrain_gpt, size=SMALL, *flags: str) -> Namespace:
+    """What ``check_args`` sees for a run of a model of ``size`` on dp2 × cp4 (budget 128)."""
+    parsed = megatron_args(pretrain_gpt, *size_flags(size), "--vocab-size", "1000", *flags)
+    return Namespace(
+        **{
+            **vars(parsed),
+            "max_seqlen_per_dp_cp_rank": 128,
+            "data_parallel_size": 2,
+            "context_parallel_size": 4,
+            "seq_length": 1024,
+        }
+    )
+
+
+def test_two_model_sizes_give_different_coefficients_from_the_transformer_config():
+    small, large = cost(transformer_config()), cost(transformer_config(**LARGE))
+    assert coefficients(small) != coefficients(large)
+    assert large.linear > 3 * small.linear and large.quadratic == pytest.approx(4 * small.quadratic)
+    expected = ModelShape(
+        **SMALL, num_query_groups=8, kv_channels=32, vocab_size=1000, gated_mlp=False
+    )
+    assert model_shape_of(transformer_config(), 1000) == expected
+
+
+def test_args_and_transformer_config_give_the_same_shape(pretrain_gpt):
+    flags = ["--swiglu", "--group-query-attention", "--num-query-groups", "2"]
+    args = megatron_args(pretrain_gpt, *size_flags(SMALL), "--vocab-size", "1000", *flags)
+    config = transformer_config(gated_linear_unit=True, num_query_groups=2)
+    shape = model_shape_from_args(args)
+    assert (shape.gated_mlp, shape.num_query_groups, shape.vocab_size) == (True, 2, 1000)
+    assert cost_model_of(shape, "cpu-gloo") == cost(config)
+    moe_flags = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "([1,0]*2)"]
+    moe_flags += ["--moe-ffn-hidden-size", "512", "--mtp-num-layers", "1"]
+    moe_args = megatron_args(pretrain_gpt, *size_flags(SMALL), "--vocab-size", "1000", *moe_flags)
+    moe_config = transformer_config(
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_layer_freq=[1, 0, 1, 0],
+        moe_ffn_hidden_size=512,
+        mtp_num_layers=1,
+    )
+    assert model_shape_from_args(moe_args) == model_shape_of(moe_config, 1000)
+    assert model_shape_from_args(moe_args).moe_layers == 2
+    large = megatron_args(pretrain_gpt, *size_flags(LARGE), "--vocab-size", "1000", *flags)
+    assert coefficients(cost_model_of(model_shape_from_args(large))) != coefficients(
+        cost_model_of(shape)
+    )
+
+
+def test_tensor_parallelism_halves_the_per_rank_work():
+    one, two = cost(transformer_config()), cost(transformer_config(tensor_model_parallel_size=2))
+    assert two.linear == pytest.approx(one.linear / 2)
+    assert two.quadratic == pytest.approx(one.quadratic / 2)
+    assert two.comm == pytest.approx(one.comm / 2)
+    assert (two.ring_step, two.microbatch) == (one.ring_step, one.microbatch)
+
+
+def test_moe_layers_add_routed_expert_work_and_no_attention():
+    dense = cost(transformer_config())
+    moe_fields = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=1024)
+    every_other = transformer_config(**moe_fields, moe_layer_freq=2)
+    listed = transformer_config(**moe_fields, moe_layer_freq=[1, 0, 1, 0])
+    assert model_shape_of(every_other).moe_layers == 2 == model_shape_of(listed).moe_layers
+    moe = cost(every_other)
+    assert moe == cost(listed)
+    # Two of the four MLPs become top-2 MoE layers: each costs 2 expert MLPs plus the router.
+    mlp = 3.0 * 2 * 2 * 256 * 1024  # training FLOPs per token of one (non-gated) MLP
+    router = 3.0 * 2 * 256 * 8
+    cpu = HARDWARE_PROFILES["cpu-gloo"]
+    flops_per_second = cpu.peak_flops * cpu.gemm_efficiency
+    assert moe.linear - dense.linear == pytest.approx(2 * (mlp + router) / flops_per_second)
+    assert moe.quadratic == dense.quadratic and moe.comm == dense.comm
+
+
+def test_mtp_adds_a_layer_of_attention_and_an_output_head():
+    base, mtp = cost(transformer_config()), cost(transformer_config(mtp_num_layers=1))
+    assert mtp.quadratic == pytest.approx(base.quadratic * 5 / 4)  # 4 attention layers + 1
+    assert mtp.linear > base.linear * 5 / 4  # a layer, the 2h→h projection and one more head
+    assert mtp.ring_step > base.ring_step and mtp.microbatch > base.microbatch
+
+
+def test_a_hybrid_pattern_sets_the_layer_counts():
+    shape = model_shape_of(transformer_config(), 1000, hybrid_pattern="M*M-|ME/*-")
+    assert (shape.num_layers, shape.mamba_layers, shape.num_attention_layers) == (6, 3, 1)
+    assert (shape.num_mlp_layers, shape.moe_layers) == (1, 1)
+    hybrid = cost_model_of(shape, "cpu-gloo")
+    assert hybrid.quadratic == pytest.approx(cost(transformer_config()).quadratic / 4)
+    with pytest.raises(ValueError, match="unknown layer symbols"):
+        model_shape_of(transformer_config(), hybrid_pattern="M?M")
+
+
+def test_pretrain_gpt_plans_with_the_trained_models_coefficients(pretrain_gpt):
+    small_args = training_args(pretrain_gpt)
+    small = pretrain_gpt.check_args(small_args).cost_model
+    large = pretrain_gpt.check_args(training_args(pretrain_gpt, LARGE)).cost_model
+    assert small == cost_model_of(model_shape_from_args(small_args), "cpu-gloo")  # CPU backend
+    assert small.name == "model@cpu-gloo" and coefficients(small) != coefficients(large)
+    assert coefficients(small) != coefficients(CostModel.from_model_shape())  # not the 8B default
+    gpu = pretrain_gpt.check_args(
+        training_args(pretrain_gpt, SMALL, "--dcp-hardware-profile", "h100-nvlink")
+    )
+    assert gpu.cost_model.name == "model@h100-nvlink" and gpu.cost_adapt
+
+
+def test_a_cost_profile_wins_over_the_model(pretrain_gpt, tmp_path):
+    measured = CostModel(2e-6, 3e-9, 1e-7, 5e-5, 0.9, "calibrated", 4e-4)
+    path = tmp_path / "profile.json"
+    save_profile(str(path), CostProfile(measured, {"by": "test"}))
+    args = training_args(pretrain_gpt, SMALL, "--dcp-cost-profile", str(path))
+    assert pretrain_gpt.check_args(args).cost_model == measured
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"format": "other"}'])
+def test_a_bad_cost_profile_names_the_flag(pretrain_gpt, tmp_path, content):
+    path = tmp_path / "profile.json"
+    if content is not None:
+        path.write_text(content)
+    args = training_args(pretrain_gpt, SMALL, "--dcp-cost-profile", str(path))
+    with pytest.raises(ValueError, match=r"--dcp-cost-profile=.*profile\.json.*calibrate"):
+        pretrain_gpt.check_args(args)
+
+
+def test_the_cost_flags_parse_with_defaults_and_choices():
+    parser = add_dcp_args(ArgumentParser())
+    defaults = parser.parse_args([])
+    assert (defaults.dcp_cost_profile, defaults.dcp_hardware_profile) == (None, None)
+    assert defaults.dcp_cost_adapt == "on"
+    parsed = parser.parse_args(["--dcp-hardware-profile", "cpu-gloo", "--dcp-cost-adapt", "off"])
+    assert (parsed.dcp_hardware_profile, parsed.dcp_cost_adapt) == ("cpu-gloo", "off")
+    for bad in (["--dcp-hardware-profile", "tpu"], ["--dcp-cost-adapt", "maybe"]):
+        with pytest.raises(SystemExit):
+            add_dcp_args(ArgumentParser()).parse_args(bad)
+
+
+def test_cost_adapt_off_reaches_the_config(pretrain_gpt):
+    args = training_args(pretrain_gpt, SMALL, "--dcp-cost-adapt", "off")
+    assert pretrain_gpt.check_args(args).cost_adapt is False
+    with pytest.raises(ValueError, match="--dcp-cost-adapt='off'"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, cost_adapt="off")
+    with pytest.raises(ValueError, match="DCPConfig.cost_model='model'"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, cost_model="model")
+
+
+def test_for_model_derives_the_cost_model_and_with_model_fills_one_in():
+    config = transformer_config(context_parallel_size=2)
+    dcp = DCPConfig.for_model(config, 64, vocab_size=1000, hardware="h100-nvlink")
+    assert dcp.cost_model == cost(config, "h100-nvlink")
+    assert dcp.build_scheduler(4).cost_model == dcp.cost_model
+    given = CostModel(1.0, 0.001, name="given")
+    assert DCPConfig.for_model(config, 64, cost_model=given).cost_model is given
+    bare = DCPConfig(max_seqlen_per_dp_cp_rank=64, cp_size=2)
+    assert bare.with_model(config).cost_model == cost_model_of(model_shape_of(config))
+    with pytest.raises(ValueError, match="--dcp-hardware-profile='tpu'"):
+        DCPConfig.for_model(config, 64, hardware="tpu")
+
+
+def test_the_log_line_carries_both_step_times_and_the_launcher_reads_them():
+    from megatron_dcp.integration.schedule import BatchStats
+    from megatron_dcp.integration.training import DCPSchedule
+    from megatron_dcp.scheduling.cost_fit import OnlineRefinement
+    from megatron_dcp.tools.launcher import parse_log
+
+    stats = BatchStats(3, {1: 5, 2: 4}, 0.0037, 4000, 0, 0, 0, 1.008, predicted_step_s=0.8123)
+    schedule = DCPSchedule(DCPConfig(max_seqlen_per_dp_cp_rank=8), print, iteration=lambda: 7)
+    line = schedule.describe(stats, elapsed_s=2.0, times=[0.5, 0.95, 0.6, 0.75])
+    figures = parse_log(line).dcp[7]
+    assert (figures.predicted_step_ms, figures.measured_step_ms) == (812.3, 950.0)
+    assert figures.measured_imbalance == pytest.approx(0.95 / 0.7, abs=1e-3)
+    assert (figures.microbatches, figures.cp_sizes, figures.tokens_per_s) == (3, {1: 5, 2: 4}, 2000)
+    assert "cost x prior" not in line
+    schedule.refinement = OnlineRefinement(CostModel(1.0, 0.001))
+    line = schedule.describe(stats, elapsed_s=2.0, times=[0.5, 0.95, 0.6, 0.75])
+    assert line.endswith("| cost x prior: a 1 b 1 b_cp 1 comm 1 ring 1 mb 1")
+    assert parse_log(line).dcp[7] == figures
+
+
+def test_the_quickstart_replans_with_the_runs_cost_model(pretrain_gpt):
+    """The quick-start re-plans iteration 1 as the DCP run planned it: ``DCPConfig.from_args`` of
+    its flags over its DP×CP domain (8 ranks / TP 2); the 8B default plans these otherwise."""
+    import random
+
+    from megatron_dcp.scheduling import build_scheduler
+    from megatron_dcp.tools.launcher import flag_list
+    from megatron_dcp.tools.quickstart import MODEL, NPROC, TP, first_plans, run_cost_model
+
+    rng = random.Random(0)
+    lengths = [max(16, min(1024, int(rng.lognormvariate(5.3, 1.2)))) for _ in range(16)]
+    args = megatron_args(pretrain_gpt, *flag_list(MODEL))
+    run = DCPConfig.from_args(args)
+    assert run_cost_model() == run.cost_model and run.cost_model.name == "model@cpu-gloo"
+    plans = first_plans(lengths)
+    assert plans["default_dynamic_cp"] == run.build_scheduler(NPROC // TP).schedule(lengths)
+    default = build_scheduler(
+        "default_dynamic_cp", dp_size=1, cp_size=4, max_seqlen_per_dp_cp_rank=256
+    )
+    assert plans["default_dynamic_cp"] != default.schedule(lengths)

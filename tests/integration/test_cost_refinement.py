@@ -1,0 +1,118 @@
+"""Online refinement of the cost model in a real DCP training loop (megatron-core on CPU, gloo):
+``DCPSchedule`` runs several steps of the tiny GPT, gathers the measured forward-backward times,
+refines the cost model after each and plans the next batch with it. Every rank must then hold
+bitwise-identical coefficients and identical plans (a rank planning differently would deadlock or
+mix up samples), for DP×CP, TP (ranks of other DP×CP domains) and PP (other stages) layouts; and
+``cost_adapt=False`` must leave the model's cost model alone."""
+
+import random
+from functools import partial
+from typing import Sequence
+
+import pytest
+
+from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+
+from megatron_dcp.integration.config import DCPConfig  # noqa: E402
+from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
+from megatron_dcp.integration.patches import apply_patches  # noqa: E402
+from megatron_dcp.integration.training import DCPSchedule  # noqa: E402
+from megatron_dcp.scheduling.cost_fit import coefficients  # noqa: E402
+from megatron_dcp.testing.gpt import (  # noqa: E402
+    Sample,
+    TinyGPTOptions,
+    build_tiny_gpt,
+    init_megatron,
+    make_samples,
+)
+from megatron_dcp.tools.launcher import parse_log  # noqa: E402
+
+OPTIONS = TinyGPTOptions(num_layers=2)
+STEPS, BATCH, BUDGET = 4, 8, 64
+
+
+def batches() -> list:
+    """``STEPS`` global batches of varied lengths (those over 64 tokens need a CP group of 2 at budget 64)."""
+    rng = random.Random(3)
+    return [
+        make_samples([rng.randint(4, 120) for _ in range(BATCH)], OPTIONS.vocab_size, seed=step)
+        for step in range(STEPS)
+    ]
+
+
+def refining_run(
+    rank: int,
+    world_size: int,
+    steps: Sequence[Sequence[Sample]],
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 2,
+    adapt: bool = True,
+) -> dict:
+    """Train ``steps`` through ``DCPSchedule``; per step, the plan and the coefficients the next
+    batch is planned with; the log lines."""
+    from megatron.core import parallel_state
+
+    init_megatron(tp, pp, cp, seed=OPTIONS.seed)
+    apply_patches()
+    chunks = build_tiny_gpt(tp, pp, cp, options=OPTIONS)
+    config = DCPConfig.for_model(
+        chunks[0].config, BUDGET, vocab_size=OPTIONS.vocab_size, cost_adapt=adapt
+    )
+    lines: list = []
+    schedule = DCPSchedule(config, lines.append)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    share = BATCH // parallel_state.get_data_parallel_world_size()
+    plans, thetas = [], []
+    for samples in steps:
+        schedule(
+            forward_step_func=forward_step,
+            data_iterator=iter(samples[dp_rank * share : (dp_rank + 1) * share]),
+            model=chunks[0],
+            num_microbatches=share,
+            forward_only=False,
+        )
+        plans.append(schedule.wrapper.plan)
+        thetas.append([x.hex() for x in coefficients(schedule.wrapper.scheduler.cost_model)])
+    refined = schedule.refinement
+    schedule.wrapper.groups.destroy()
+    return dict(
+        plans=plans,
+        thetas=thetas,
+        prior=[x.hex() for x in coefficients(config.cost_model)],
+        refined=None if refined is None else [x.hex() for x in coefficients(refined.cost)],
+        updates=None if refined is None else refined.updates,
+        lines=[line for line in lines if "[DCP]" in line],
+    )
+
+
+LAYOUTS = {"dp2cp2": dict(cp=2), "tp2cp2": dict(tp=2, cp=2), "pp2cp2": dict(pp=2, cp=2)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_rank_refines_to_the_same_floats_and_plans_alike(layout):
+    results = run_distributed(partial(refining_run, **LAYOUTS[layout]), 4, batches(), timeout_s=300)
+    first = results[0]
+    for rank, result in enumerate(results[1:], start=1):
+        assert result["thetas"] == first["thetas"], f"rank {rank} refined to other floats"
+        assert result["plans"] == first["plans"], f"rank {rank} planned differently"
+    assert first["updates"] == STEPS and first["refined"] == first["thetas"][-1]
+    assert first["thetas"][0] != first["prior"], "the first step's times did not refine the model"
+    assert len({tuple(theta) for theta in first["thetas"]}) == STEPS  # refined after every step
+    for result in results:
+        figures = parse_log("\n".join(result["lines"])).dcp
+        assert sorted(figures) == list(range(1, STEPS + 1))
+        assert all(f.measured_step_ms > 0 and f.predicted_step_ms > 0 for f in figures.values())
+        assert all("| cost x prior: a " in line for line in result["lines"])
+
+
+def test_refinement_off_plans_with_the_models_cost_model_throughout():
+    results = run_distributed(partial(refining_run, adapt=False), 4, batches(), timeout_s=300)
+    for result in results:
+        assert result["updates"] is None
+        assert all(theta == result["prior"] for theta in result["thetas"])
+        assert not any("cost x prior" in line for line in result["lines"])
+        assert len(parse_log("\n".join(result["lines"])).dcp) == STEPS

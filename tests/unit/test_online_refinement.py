@@ -1,0 +1,98 @@
+"""Online refinement of the cost model, as the training loop runs it: real plans of
+``default_dynamic_cp`` on varied random batches, per-rank times synthesised from known
+coefficients, one ``OnlineRefinement.update`` per step and the next batch planned with the
+refined model. The coefficients must converge to the known ones, and two refinements fed the same
+steps must hold the same floats (every rank of a run must plan alike)."""
+
+import random
+from typing import List, Sequence
+
+import pytest
+
+from megatron_dcp.scheduling import CostModel, build_scheduler
+from megatron_dcp.scheduling.cost_fit import OnlineRefinement, coefficients, predict, rank_features
+from megatron_dcp.scheduling.hardware import hardware_profile
+from megatron_dcp.scheduling.model_shape import ModelShape
+
+PRIOR = CostModel.from_model_shape(
+    ModelShape(
+        hidden_size=1024,
+        ffn_hidden_size=4096,
+        num_layers=8,
+        num_attention_heads=8,
+        num_query_groups=8,
+        vocab_size=32000,
+    ),
+    hardware_profile("h100-nvlink"),
+)
+# The "real" machine: every coefficient off the prior, in both directions (b/η ≥ b: η ≤ 1).
+TRUE_FACTORS = (1.3, 0.7, 0.9, 1.6, 2.5, 0.5)
+TRUE_THETA = [f * t for f, t in zip(TRUE_FACTORS, coefficients(PRIOR))]
+STEPS = 150
+
+
+def random_batch(rng: random.Random) -> List[int]:
+    """A global batch of 8-48 lognormal lengths (16 to 32k tokens)."""
+    return [
+        max(16, min(32768, int(rng.lognormvariate(7.5, 1.2)))) for _ in range(rng.randint(8, 48))
+    ]
+
+
+def refine(steps: int, seed: int = 0, theta: Sequence[float] = TRUE_THETA) -> OnlineRefinement:
+    """``steps`` training steps on dp4 × cp2 (budget 4096): plan, time, refine, re-plan."""
+    rng = random.Random(seed)
+    scheduler = build_scheduler(
+        "default_dynamic_cp", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=4096, cost_model=PRIOR
+    )
+    refinement = OnlineRefinement(PRIOR)
+    for _ in range(steps):
+        rows = rank_features(scheduler.schedule(random_batch(rng)))
+        scheduler.cost_model = refinement.update(rows, [predict(theta, row) for row in rows])
+    return refinement
+
+
+@pytest.fixture(scope="module")
+def refined() -> OnlineRefinement:
+    return refine(STEPS)
+
+
+def test_refinement_converges_to_the_true_coefficients(refined):
+    assert refined.updates == STEPS
+    for name, got, want in zip(("a", "b", "b/η", "comm", "ring", "mb"), refined.theta, TRUE_THETA):
+        assert got == pytest.approx(want, rel=0.02), name
+
+
+def test_the_refined_cost_model_predicts_the_true_times(refined):
+    """The CostModel handed to the scheduler carries θ (η = b / (b/η))."""
+    cost = refined.cost
+    assert cost.linear == pytest.approx(TRUE_THETA[0], rel=0.02)
+    assert cost.cp_efficiency == pytest.approx(TRUE_THETA[1] / TRUE_THETA[2], rel=0.03)
+    for row in rank_features(
+        build_scheduler(
+            "default_dynamic_cp", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=4096
+        ).schedule(random_batch(random.Random(99)))
+    ):
+        assert predict(coefficients(cost), row) == pytest.approx(predict(TRUE_THETA, row), rel=0.02)
+
+
+def test_a_few_steps_move_only_a_little_and_identically():
+    """Early on the prior still weighs (no jump on a handful of points), and two refinements fed
+    the same steps hold bitwise-equal coefficients."""
+    first, second = refine(3), refine(3)
+    assert first.theta == second.theta and first.factors == second.factors
+    assert first.theta != coefficients(PRIOR)
+    assert all(0.2 < f < 5 for f in first.factors)
+
+
+def test_a_prior_off_by_a_constant_factor_is_rescaled_at_the_first_step():
+    """A machine 10× slower than the profile: after one step the predictions are near the
+    measured times (the first update scales every factor by the median ratio)."""
+    slow = [10 * t for t in TRUE_THETA]
+    one = refine(1, theta=slow)
+    rows = rank_features(
+        build_scheduler(
+            "default_dynamic_cp", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=4096
+        ).schedule(random_batch(random.Random(7)))
+    )
+    for row in rows:
+        assert predict(one.theta, row) == pytest.approx(predict(slow, row), rel=0.5)
