@@ -155,9 +155,9 @@ def check_options(options: argparse.Namespace) -> None:
 def parse_model_args(argv: Sequence[str]) -> argparse.Namespace:
     """megatron's arguments (with the DCP and calibration flags) as ``pretrain_gpt`` parses them
     on CPU, validated, without megatron's global state; argument dump silenced."""
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron_dcp import pretrain_gpt  # first: it makes megatron importable on CPU
 
-    from megatron_dcp import pretrain_gpt
+    from megatron.training.arguments import parse_args, validate_args  # isort: skip
 
     if not pretrain_gpt.ON_CPU:
         raise ValueError(

@@ -18,6 +18,7 @@ members (the group waits for its slowest rank), then the min over blocks and tim
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -96,6 +97,8 @@ def point_times(per_rank: Sequence[RankTimes], points: Sequence[Point]) -> List[
 def _time_grid(rank: int, world_size: int, args: argparse.Namespace, job: TimingJob) -> RankTimes:
     """One rank: build the model and the DCP groups, warm every point up once, then time it
     ``repeats`` times (several times per pass when short); the timings of every point."""
+    # Each forward under megatron's CUDA-RNG tracker stand-in warns once per layer on CPU.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     from megatron_dcp.integration.patches import apply_patches
     from megatron_dcp.runtime.groups import DCPGroups
     from megatron_dcp.testing.gpt import init_megatron

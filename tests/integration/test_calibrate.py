@@ -133,3 +133,19 @@ def test_tiny_calibration_writes_a_profile(capsys, tmp_path):
     assert all(p["measured_s"] > 0 and p["predicted_s"] > 0 for p in source["points"])
     assert "measured ms" in out and "held-out relative error: median" in out
     assert len([line for line in out.splitlines() if "%" in line]) >= len(held)
+
+
+def test_the_model_flags_parse_in_a_fresh_interpreter(tmp_path):
+    """As the console script runs it: megatron not imported yet (the CPU backend must come
+    first, or megatron.training fails to import without triton)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from megatron_dcp.tools.calibrate import parse_model_args; "
+        f"print(parse_model_args({[*TINY_MODEL, '--output', str(tmp_path / 'p.json')]!r})"
+        ".hidden_size)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == TINY_MODEL[TINY_MODEL.index("--hidden-size") + 1]
