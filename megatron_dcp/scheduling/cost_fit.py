@@ -20,6 +20,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.plan import Plan
 
+# Steps a refinement ignores at the start: the first iteration of a run pays one-time costs
+# (process groups created lazily, allocator and autograd warm-up).
+WARM_UP_STEPS = 1
 FEATURES = ("linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
 
@@ -145,8 +148,8 @@ def relative_errors(theta: Sequence[float], rows, times) -> Vector:
 
 class OnlineRefinement:
     """Recursive least squares with forgetting on relative errors, in units of a prior cost
-    model: ``θ_j = prior_j · f_j``. The first step scales all factors by the median measured /
-    predicted time; then the factors move with variance ``1`` (so a handful of steps cannot move
+    model: ``θ_j = prior_j · f_j``. After ``WARM_UP_STEPS`` ignored steps, the first step scales
+    all factors (and their variance) by the median measured / predicted time; then the factors move with variance ``1`` (so a handful of steps cannot move
     a coefficient the plans have not exercised away from the scaled prior) and stay within
     ``bounds``. Every rank feeds the same observations in the same order and gets the same
     floats."""
@@ -176,8 +179,12 @@ class OnlineRefinement:
 
     def update(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> CostModel:
         """Take one step's observations (features and measured seconds per rank); returns the
-        refined cost model. Points with no time are skipped."""
-        if self.updates == 0:
+        refined cost model. Points with no time are skipped, and so are the first
+        ``WARM_UP_STEPS`` steps (one-time costs of a run's first iteration)."""
+        self.updates += 1
+        if self.updates <= WARM_UP_STEPS:
+            return self.cost
+        if self.updates == WARM_UP_STEPS + 1:
             self._rescale(rows, times)
         lam = self.forgetting
         self.covariance = [[p / lam for p in row] for row in self.covariance]
@@ -186,7 +193,6 @@ class OnlineRefinement:
                 self._observe([x * s / t for x, s in zip(row, self.scales)])
         low, high = self.bounds
         self.factors = [min(high, max(low, f)) for f in self.factors]
-        self.updates += 1
         return self.cost
 
     def _rescale(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> None:
@@ -201,6 +207,8 @@ class OnlineRefinement:
             scale = ratios[len(ratios) // 2]
             low, high = self.bounds
             self.factors = [min(high, max(low, f * scale)) for f in self.factors]
+            # The factors' uncertainty scales with them (variance by scale²).
+            self.covariance = [[p * scale * scale for p in row] for row in self.covariance]
 
     def _observe(self, z: Vector) -> None:
         """One RLS step towards ``z · f = 1``."""

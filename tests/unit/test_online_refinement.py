@@ -10,7 +10,13 @@ from typing import List, Sequence
 import pytest
 
 from megatron_dcp.scheduling import CostModel, build_scheduler
-from megatron_dcp.scheduling.cost_fit import OnlineRefinement, coefficients, predict, rank_features
+from megatron_dcp.scheduling.cost_fit import (
+    WARM_UP_STEPS,
+    OnlineRefinement,
+    coefficients,
+    predict,
+    rank_features,
+)
 from megatron_dcp.scheduling.hardware import hardware_profile
 from megatron_dcp.scheduling.model_shape import ModelShape
 
@@ -85,10 +91,12 @@ def test_a_few_steps_move_only_a_little_and_identically():
 
 
 def test_a_prior_off_by_a_constant_factor_is_rescaled_at_the_first_step():
-    """A machine 10× slower than the profile: after one step the predictions are near the
-    measured times (the first update scales every factor by the median ratio)."""
+    """A machine 10× slower than the profile: after the warm-up step and one more, the
+    predictions are near the measured times (that update scales every factor by the median
+    ratio); the warm-up step itself changes nothing."""
     slow = [10 * t for t in TRUE_THETA]
-    one = refine(1, theta=slow)
+    assert refine(WARM_UP_STEPS, theta=slow).theta == coefficients(PRIOR)
+    one = refine(WARM_UP_STEPS + 1, theta=slow)
     rows = rank_features(
         build_scheduler(
             "default_dynamic_cp", dp_size=4, cp_size=2, max_seqlen_per_dp_cp_rank=4096
