@@ -86,8 +86,10 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         if len(items) <= SEARCH_SAMPLES or len(plans) > 1:
             plans += aligned_plans(ctx, pool, items, vpp, True)
             plans.append(align_to_vpp(ctx, packed_rows(ctx, pool, vpp), items, vpp))
-        bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
-        best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
+        best = plans[0]
+        if len(plans) > 1:
+            bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
+            best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         return [freeze_microbatch(row) for row in best]
 
 
