@@ -31,10 +31,10 @@ beyond the fewest. Steps (each a named function):
                            (or fall back to whole-domain micro-batches when there are too many);
                            ``aligned_plans`` also re-plans with as many more buckets as needed.
 
-Batches of at most ``SEARCH_SAMPLES`` samples, and plans VPP alignment would split, also try step
-2 with every micro-batch formed from the whole pool, and keep the best plan (``plan_rank``, by
-``draft_critical_path``). Cost: each
-micro-batch scans its pool once per trial (``MicroBatchBuilder`` stops a pass after ``FAIL_LIMIT``
+Batches of at most ``SEARCH_SAMPLES`` samples, and plans VPP alignment would split (either with
+at most ``SEARCH_ROWS`` micro-batches), also try step 2 with every micro-batch formed from the
+whole pool and the packing variant (``packed_rows``), and keep the best plan (``plan_rank``, by
+``draft_critical_path``). Cost: each micro-batch scans its pool once per trial (``MicroBatchBuilder`` stops a pass after ``FAIL_LIMIT``
 consecutive misses once no rank is free), with one heap of groups per CP size: O(K · T · n log N)
 for K micro-batches, T ≤ ``TRIALS`` trials and n samples. Every step takes the shared
 ``dynamic_cp_context.Context`` (domain, cost model, memoised costs).
@@ -66,8 +66,10 @@ GOOD_EFFICIENCY = 0.965
 SCORE_TIE = 1e-4
 # The last micro-batch may exceed its level by this fraction to save one more micro-batch.
 LAST_SLACK = 0.02
-# Batches of at most this many samples also try the all-levels variant of ``plan_rows``.
+# Batches of at most this many samples (and plans of at most this many micro-batches) also try
+# the all-levels and packing variants of ``plan_rows``.
 SEARCH_SAMPLES = 512
+SEARCH_ROWS = 32
 # A plan within this factor of the lower bound is good enough: then fewer micro-batches win.
 GOOD_PLAN = 1.02
 
@@ -82,8 +84,9 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         vpp = self.microbatch_group_size_per_vp_stage
         plans = aligned_plans(ctx, pool, items, vpp, False)
         # Small batches, and plans that VPP alignment would split, also try the all-levels and
-        # the packing variants (their own micro-batch counts); the best plan wins.
-        if len(items) <= SEARCH_SAMPLES or len(plans) > 1:
+        # the packing variants (their own micro-batch counts) unless the plan is long (each
+        # variant costs a scan of the pool per micro-batch); the best plan wins.
+        if (len(items) <= SEARCH_SAMPLES or len(plans) > 1) and len(plans[0]) <= SEARCH_ROWS:
             plans += aligned_plans(ctx, pool, items, vpp, True)
             plans.append(align_to_vpp(ctx, packed_rows(ctx, pool, vpp), items, vpp))
         best = plans[0]
