@@ -76,7 +76,7 @@ class MicroBatchBuilder:
         """Put ``item`` where its resulting per-rank load is least: the cheapest fresh block of
         any size ≥ its minimum, unless joining a group ends lower."""
         fresh: Optional[Tuple[float, int]] = None
-        if self.free.free:
+        if self.free.free and (item.seqlen > 0 or not self.groups):
             for size in self.ctx.sizes_from(item.min_cp):
                 load = self.ctx.alone(item.seqlen, size)
                 if (fresh is None or load < fresh[0]) and self.free.can_allocate(size):
@@ -103,8 +103,8 @@ class MicroBatchBuilder:
         self.journal = None
 
     def _place_fresh(self, item: Item) -> bool:
-        if not self.free.free:
-            return False
+        if not self.free.free or (item.seqlen == 0 and self.groups):
+            return False  # an empty sample alone would leave its ranks without work
         alone = self.ctx.alone
         for size in self.ctx.sizes_from(item.min_cp):
             if alone(item.seqlen, size) <= self.level and self.free.can_allocate(size):

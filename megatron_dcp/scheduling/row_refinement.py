@@ -90,7 +90,7 @@ def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:
     fits ``block``; None when none does."""
     for index in range(len(spare) - 1, -1, -1):
         item = spare[index]
-        if item.min_cp <= block.size and item.seqlen <= block.size * ctx.domain.budget:
+        if item.min_cp <= block.size and 0 < item.seqlen <= block.size * ctx.domain.budget:
             return spare.pop(index)
     return None
 
@@ -103,8 +103,10 @@ def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
         if len(group.items) < 2:
             continue
         for item in group.items:
-            if item.min_cp > block.size or item.seqlen > block.size * ctx.domain.budget:
-                continue
+            if not 0 < item.seqlen <= block.size * ctx.domain.budget or item.min_cp > block.size:
+                continue  # an empty sample would leave the block without work
+            if group.tokens == item.seqlen:
+                continue  # nor may the group be left with empty samples only
             remaining = group.load - ctx.load(item.seqlen, group.size)
             peak = max(remaining, ctx.alone(item.seqlen, block.size))
             key = (peak, group.block.start, item.sample_id)
@@ -157,6 +159,8 @@ def best_move(
         return None
     best, best_peak = None, top.load * (1 - EPS)
     for item in spread(top.items, REBALANCE_ITEMS):
+        if top.tokens == item.seqlen:
+            continue  # ``top`` would keep empty samples only
         for partner in partners:
             if item.min_cp > partner.size or ctx.room(partner) < item.seqlen:
                 continue

@@ -122,3 +122,28 @@ def test_group_draft_over_uses_the_cost_models_ring():
     cost = CostModel(1.0, 0.0, ring_step=3.0)
     block = _block(0, 4)
     assert GroupDraft.over(block, cost).ring == cost.ring_cost(4) == 9.0
+
+
+def test_no_group_is_left_with_empty_samples_only():
+    """Empty (0-token) samples join groups with work: a group of empty samples alone would leave
+    its ranks idle in all but name (the RL adapter's fewer-samples-than-ranks case, and random
+    batches with many empty samples on power-of-two domains)."""
+    import random
+
+    rng = random.Random(0)
+    cases = [([10, 0, 6], 2, 4, 64)]
+    for _ in range(200):
+        n = rng.choice([2, 4, 8, 16])
+        budget = rng.choice([8, 64, 512])
+        lengths = [
+            rng.choice([0, 0, rng.randint(1, n * budget)]) for _ in range(rng.randint(1, 40))
+        ]
+        cases.append((lengths, n, 1, budget))
+    for lengths, dp, cp, budget in cases:
+        plan = build_scheduler(
+            "default_dynamic_cp", dp_size=dp, cp_size=cp, max_seqlen_per_dp_cp_rank=budget
+        ).schedule(lengths)
+        for microbatch in plan.microbatches:
+            if any(lengths[i] for i in microbatch.sample_ids):
+                for group in microbatch.groups:
+                    assert any(lengths[i] for i in group.sample_ids), (lengths, dp, cp, budget)
