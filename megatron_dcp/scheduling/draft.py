@@ -65,12 +65,6 @@ class GroupDraft:
         if not self.items:
             self.load, self.tokens = 0.0, 0
 
-    def load_with(self, item: Item, cost: CostModel) -> float:
-        return self.load + cost.per_rank(item.seqlen, self.size)
-
-    def load_without(self, item: Item, cost: CostModel) -> float:
-        return self.load - cost.per_rank(item.seqlen, self.size) if len(self.items) > 1 else 0.0
-
     def freeze(self) -> CPGroup:
         ids = tuple(item.sample_id for item in self.items)
         return CPGroup(self.block.positions, ids)
