@@ -7,21 +7,23 @@ from megatron_dcp.scheduling import CostModel, Domain
 from megatron_dcp.scheduling.balance import align_microbatch_count
 from megatron_dcp.scheduling.buddy import BuddyAllocator
 from megatron_dcp.scheduling.default_dynamic_cp import (
-    align_to_vpp,
     draft_critical_path,
     equalize_buckets,
-    fill_level,
-    heaviest_first,
     is_heavy,
-    next_hdp_group,
     plan_rows,
     promotion_waste,
-    trial_sizes,
 )
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, group_of_items
 from megatron_dcp.scheduling.dynamic_cp_context import Context
+from megatron_dcp.scheduling.microbatch_forming import (
+    fill_level,
+    heaviest_first,
+    next_hdp_group,
+    trial_sizes,
+)
 from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
+from megatron_dcp.scheduling.vpp_alignment import align_to_vpp
 
 # Scheduling errors name the scheduling parameters (the flags come from the layers above).
 VPP = "microbatch_group_size_per_vp_stage"

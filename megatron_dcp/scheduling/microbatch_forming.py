@@ -1,0 +1,123 @@
+"""Steps 1 and 3 of ``default_dynamic_cp``: samples heaviest first (``heaviest_first``), and one
+micro-batch formed from a pool of samples (``next_hdp_group``).
+
+The heaviest sample opens the micro-batch on a CP group of one of a few sizes (``trial_sizes``),
+which sets the *level* (its per-rank cost, at least ``fill_level``). Every other sample, heaviest
+first and then lightest first to top up, takes a fresh block of the smallest CP size whose cost
+fits under the level, or joins the least-loaded group where it fits (placing with
+``microbatch_builder.MicroBatchBuilder``). The trial (``build_trial``) with the best
+``efficiency`` wins; idle ranks are filled and the micro-batch rebalanced (``row_refinement``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from megatron_dcp.scheduling.draft import Item
+from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
+from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
+from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
+
+# CP sizes tried for the sample that opens a micro-batch, and the efficiency that ends the trials.
+TRIALS = 3
+GOOD_EFFICIENCY = 0.965
+# Trials whose efficiencies differ by at most this much tie (then fewer leftovers win).
+SCORE_TIE = 1e-4
+# The last micro-batch may exceed its level by this fraction to save one more micro-batch.
+LAST_SLACK = 0.02
+
+
+def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
+    """Step 1: samples by decreasing least total work, then length, then id (deterministic)."""
+    work = ctx.works(items)
+    return sorted(items, key=lambda it: (-work[it.seqlen], -it.seqlen, it.sample_id))
+
+
+def next_hdp_group(ctx: Context, pool: Sequence[Item]) -> Tuple[Row, List[Item]]:
+    """Step 3: form one micro-batch from ``pool`` (heaviest first; non-empty). Returns its groups,
+    which partition the domain with no idle rank, and the samples left for later micro-batches."""
+    floor = fill_level(ctx, pool)
+    last = sum(item.seqlen for item in pool) <= ctx.domain.size * ctx.domain.budget
+    best: Optional[Tuple[float, Row, List[Item]]] = None
+    for size in trial_sizes(ctx, pool[0], floor):
+        groups, leftovers = build_trial(ctx, pool, size, floor, last)
+        score = efficiency(ctx, groups)
+        if best is None or better_trial((score, len(leftovers)), (best[0], len(best[2]))):
+            best = (score, groups, leftovers)
+        if score >= GOOD_EFFICIENCY:
+            break
+    assert best is not None
+    rebalance_row(ctx, best[1])
+    return best[1], best[2]
+
+
+def better_trial(new: Tuple[float, int], old: Tuple[float, int]) -> bool:
+    """(efficiency, leftover count) of two trials: higher efficiency wins; within ``SCORE_TIE``,
+    fewer leftovers (fewer micro-batches)."""
+    if abs(new[0] - old[0]) <= SCORE_TIE:
+        return new[1] < old[1]
+    return new[0] > old[0]
+
+
+def build_trial(
+    ctx: Context, pool: Sequence[Item], size: int, floor: float, last: bool
+) -> Tuple[Row, List[Item]]:
+    """One trial of :func:`next_hdp_group`: ``pool[0]`` opens on ``size`` ranks, the rest fills up
+    to the level (the ``last`` micro-batch may absorb what is left), and idle ranks are filled."""
+    builder = MicroBatchBuilder(ctx)
+    builder.open(pool[0], size, floor)
+    leftovers = builder.fill_from(pool[1:])
+    if last and leftovers:
+        leftovers = absorb_leftovers(ctx, builder, leftovers)
+    fill_empty_ranks(ctx, builder.groups, builder.free, leftovers)
+    return builder.groups, leftovers
+
+
+def absorb_leftovers(ctx: Context, builder: MicroBatchBuilder, leftovers: List[Item]) -> List[Item]:
+    """The last micro-batch places its leftovers above the level when that costs less than the
+    extra micro-batch they would need (their work / N), give or take ``LAST_SLACK`` of the peak:
+    one micro-batch fewer is worth that much. Returns the samples still left."""
+    peak = max(group.load for group in builder.groups)
+    limit = peak * (1 + LAST_SLACK) + sum(map(ctx.min_work, leftovers)) / ctx.domain.size
+    builder.level, builder.journal = float("inf"), []
+    rest = builder.fill_from(leftovers)
+    if max(group.load for group in builder.groups) > limit:
+        builder.undo()
+        return leftovers
+    return rest
+
+
+def fill_level(ctx: Context, pool: Sequence[Item]) -> float:
+    """The mean per-rank cost of a micro-batch if ``pool`` filled the fewest micro-batches its
+    tokens need: the level every micro-batch fills up to (a heavier opening sample raises it)."""
+    tokens = sum(item.seqlen for item in pool)
+    count = max(1, -(-tokens // (ctx.domain.size * ctx.domain.budget)))
+    work = ctx.works(pool)
+    return sum(work[item.seqlen] for item in pool) / (ctx.domain.size * count)
+
+
+def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
+    """CP sizes to try for the sample that opens a micro-batch, best guess first: the smallest
+    size an empty micro-batch can hold whose per-rank cost is within ``floor`` (or the cheapest
+    per rank), then smaller ones, which raise the level (at most ``TRIALS``)."""
+    sizes: List[int] = []
+    for size in ctx.sizes_from(item.min_cp):
+        if not ctx.openable(size):
+            continue
+        if sizes and ctx.alone(item.seqlen, size) >= ctx.alone(item.seqlen, sizes[-1]):
+            break
+        sizes.append(size)
+        if ctx.alone(item.seqlen, size) <= floor:
+            break
+    return sizes[::-1][:TRIALS]
+
+
+def efficiency(ctx: Context, row: Row) -> float:
+    """Useful work of a micro-batch (each sample at its minimum CP size) over N × its max rank
+    cost: 1 for a perfectly balanced micro-batch without extra CP overhead."""
+    peak = max(group.load for group in row)
+    if peak <= 0:
+        return 1.0
+    work = ctx.work  # filled: every sample was ordered by heaviest_first or min_work first
+    useful = sum(work.get(item.seqlen) or ctx.min_work(item) for g in row for item in g.items)
+    return useful / (ctx.domain.size * peak)

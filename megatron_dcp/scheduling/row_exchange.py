@@ -1,0 +1,174 @@
+"""Step 7 of ``default_dynamic_cp``: ``exchange_between_rows`` moves and swaps samples between
+micro-batches while that shortens the critical path.
+
+The earlier steps balance each micro-batch on its own; what one micro-batch cannot fix (the
+last ones, made of what the others left over, are often heavier or lighter than the rest) an
+exchange with another can. The critical path is Σ over micro-batches of the peak (the
+most-loaded group), so a sample of a micro-batch's *top group* is worth moving when the peak
+falls by more than the receiving micro-batch's peak grows, the receiving group taking it within
+its token budget and minimum CP size. Two exchanges are tried, best gain first:
+
+- a **move** of a sample from the top group to another micro-batch's group;
+- a **swap** of that sample with a lighter one of another micro-batch's group, which also
+  relieves a top group of a single sample, or where no group has room for a move.
+
+The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
+rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by
+more than ``EPS`` of it, so the search ends. One pass visits the micro-batches most-loaded
+first, each making at most ``EXCHANGE_STEPS`` exchanges. A receiving micro-batch offers, per
+CP size, its least-loaded groups (``SWAP_GROUPS`` of them for swaps): one exchange search costs
+O(K · S · s) for K micro-batches, S group sizes and the s samples of a top group examined (at
+most ``EXCHANGE_ITEMS``).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
+from megatron_dcp.scheduling.row_refinement import spread
+
+# Exchanges per micro-batch, samples of a top group examined; receiving groups per CP size and
+# partner samples per receiving group examined for swaps.
+EXCHANGE_STEPS = 4
+EXCHANGE_PASSES = 3
+# An exchange must lower Σ peaks by at least this fraction of the relieved micro-batch's peak.
+MIN_GAIN = 1e-4
+EXCHANGE_ITEMS = 6
+SWAP_GROUPS = 2
+SWAP_PARTNERS = 2
+
+# (gain, sample of the top group, receiving group, its sample sent back or None)
+Exchange = Tuple[float, Item, GroupDraft, Optional[Item]]
+
+
+class RowView:
+    """One micro-batch as exchanges see it: its peak, the highest load of its other groups, its
+    top group and, per CP size, its groups least-loaded first."""
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+        ordered = sorted(row, key=lambda g: (g.load, g.block.start))
+        self.top = ordered[-1]
+        self.peak = self.top.load
+        self.second = ordered[-2].load if len(ordered) > 1 else 0.0
+        self.by_size: Dict[int, List[GroupDraft]] = {}
+        for group in ordered:
+            self.by_size.setdefault(group.size, []).append(group)
+        self._partners: Dict[int, List[Item]] = {}
+
+    def partners(self, group: GroupDraft) -> List[Item]:
+        """``group``'s samples, longest first (memoised: swap partners)."""
+        found = self._partners.get(id(group))
+        if found is None:
+            found = sorted(group.items, key=lambda it: (-it.seqlen, it.sample_id))
+            self._partners[id(group)] = found
+        return found
+
+
+def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
+    """Passes over the micro-batches, most-loaded first, each applying its best exchange while
+    one shortens the critical path (at most ``EXCHANGE_STEPS`` per micro-batch and pass, at
+    most ``EXCHANGE_PASSES`` passes, ending after a pass without one)."""
+    if len(rows) < 2:
+        return
+    views = [RowView(row) for row in rows]
+    for _ in range(EXCHANGE_PASSES):
+        changed = False
+        for index in sorted(range(len(rows)), key=lambda i: (-views[i].peak, i)):
+            for _ in range(EXCHANGE_STEPS):
+                found = best_exchange(ctx, views, index)
+                if found is None:
+                    break
+                other = apply(ctx, views, index, found)
+                views[index], views[other] = RowView(rows[index]), RowView(rows[other])
+                changed = True
+        if not changed:
+            return
+
+
+def best_exchange(ctx: Context, views: Sequence[RowView], index: int) -> Optional[Exchange]:
+    """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the
+    most (by more than ``EPS`` of the peak); None when none does. The top's peak falls by at
+    most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
+    first until the relief cannot beat the best gain found."""
+    view = views[index]
+    top, cap = view.top, view.peak - view.second
+    best: Optional[Exchange] = None
+    floor = view.peak * MIN_GAIN
+    movable = len(top.items) > 1
+    for item in spread(view.partners(top), EXCHANGE_ITEMS):
+        out = ctx.load(item.seqlen, top.size)
+        if min(cap, out) <= floor:
+            break
+        leaves = movable and top.tokens > item.seqlen
+        for other, receiver in enumerate(views):
+            if other != index:
+                for found in exchanges(ctx, view, item, out, receiver, leaves):
+                    if found[0] > floor:
+                        best, floor = found, found[0]
+    return best
+
+
+def exchanges(
+    ctx: Context, view: RowView, item: Item, out: float, receiver: RowView, leaves: bool
+) -> Iterator[Exchange]:
+    """The exchanges of ``item`` (per-rank cost ``out`` on ``view``'s top group) with
+    ``receiver``, as (gain, item, group, sample sent back or None): per CP size that can take
+    it, a move to the least-loaded group with room (when ``leaves``: its group keeps a non-empty
+    sample) and swaps with the ``SWAP_PARTNERS`` longest shorter samples of the
+    ``SWAP_GROUPS`` least-loaded groups. A receiver's peak counts only when it grows (a swap
+    that also lowers it is found from the receiver's side)."""
+    top, budget = view.top, ctx.domain.budget
+    for size, groups in receiver.by_size.items():
+        if size < item.min_cp:
+            continue
+        into = ctx.load(item.seqlen, size)
+        if leaves:
+            group = next((g for g in groups if size * budget - g.tokens >= item.seqlen), None)
+            if group is not None:
+                growth = max(0.0, group.load + into - receiver.peak)
+                yield min(view.peak - view.second, out) - growth, item, group, None
+        for group in groups[:SWAP_GROUPS]:
+            for back in swap_partners(ctx, top, item, group, receiver.partners(group)):
+                relief = min(view.peak - view.second, out - ctx.load(back.seqlen, top.size))
+                growth = max(0.0, group.load + into - ctx.load(back.seqlen, size) - receiver.peak)
+                yield relief - growth, item, group, back
+
+
+def swap_partners(
+    ctx: Context, top: GroupDraft, item: Item, group: GroupDraft, partners: Sequence[Item]
+) -> Iterator[Item]:
+    """The (at most ``SWAP_PARTNERS``) longest samples of ``partners`` (``group``'s, longest
+    first) shorter than ``item`` that may trade places with it: both within the token budget
+    and their minimum CP sizes, ``top`` keeping a non-empty sample."""
+    room, top_room = ctx.room(group) - item.seqlen, ctx.room(top) + item.seqlen
+    start = bisect_right([-back.seqlen for back in partners], -item.seqlen)
+    found = 0
+    for back in partners[start:]:
+        if room + back.seqlen < 0:
+            return  # shorter partners leave even less room
+        if (
+            back.seqlen > top_room
+            or back.min_cp > top.size
+            or top.tokens == item.seqlen - back.seqlen
+        ):
+            continue
+        yield back
+        found += 1
+        if found == SWAP_PARTNERS:
+            return
+
+
+def apply(ctx: Context, views: Sequence[RowView], index: int, exchange: Exchange) -> int:
+    """Carry out ``exchange`` from micro-batch ``index``; returns the other micro-batch's index."""
+    _, item, group, back = exchange
+    top = views[index].top
+    top.pop(item, ctx.load(item.seqlen, top.size))
+    if back is not None:
+        group.pop(back, ctx.load(back.seqlen, group.size))
+        top.push(back, ctx.load(back.seqlen, top.size))
+    group.push(item, ctx.load(item.seqlen, group.size))
+    return next(i for i, view in enumerate(views) if any(g is group for g in view.row))
