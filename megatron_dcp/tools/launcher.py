@@ -2,6 +2,8 @@
 
 Used by the quick-start and the functional tests: each run is a real multi-process training job;
 the per-iteration ``lm loss`` and the ``[DCP]`` figures are parsed from its output.
+:func:`start_agents` launches one torchrun agent per node meeting at a c10d rendezvous (the
+multi-node launch of docs/scaling.md, here with every node on this machine).
 """
 
 from __future__ import annotations
@@ -80,10 +82,9 @@ def run_pretrain(
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     command += ["--standalone"] if port is None else ["--master-port", str(port)]
     command += ["-m", "megatron_dcp.pretrain_gpt", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
         command,
-        env=env,
+        env=worker_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -96,6 +97,77 @@ def run_pretrain(
         tail = "\n".join(done.stdout.splitlines()[-40:])
         raise TrainingRunError(f"training exited with {done.returncode}:\n{tail}")
     return parse_log(done.stdout)
+
+
+def worker_env() -> Dict[str, str]:
+    """The environment of a training job: one thread per rank, warnings off."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def agent_command(
+    args: Sequence[str], nnodes: int, nproc_per_node: int, endpoint: str, run_id: str
+) -> List[str]:
+    """The torchrun line of one node's agent: ``nnodes`` agents of ``nproc_per_node`` ranks
+    meet at the c10d rendezvous ``endpoint`` (host:port) under ``run_id``."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        "-m",
+        "megatron_dcp.pretrain_gpt",
+        *args,
+    ]
+
+
+def start_agents(
+    args: Sequence[str], nnodes: int, nproc_per_node: int, port: int, log_dir: Path
+) -> List[subprocess.Popen]:
+    """Start ``nnodes`` agents on this machine (loopback rendezvous on ``port``), each writing
+    ``agent<i>.log`` in ``log_dir``; each in a session of its own."""
+    endpoint, agents = f"127.0.0.1:{port}", []
+    for node in range(nnodes):
+        log = open(log_dir / f"agent{node}.log", "w")
+        command = agent_command(args, nnodes, nproc_per_node, endpoint, f"dcp-{port}")
+        agents.append(
+            subprocess.Popen(
+                command,
+                env=worker_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+        log.close()
+    return agents
+
+
+def run_agents(
+    args: Sequence[str],
+    nnodes: int,
+    nproc_per_node: int,
+    port: int,
+    log_dir: Path,
+    timeout_s: float = 900.0,
+) -> RunLog:
+    """Run a job as ``nnodes`` agents (:func:`start_agents`) and parse what all of them logged
+    (megatron prints the loss on the last rank, wherever the rendezvous placed it)."""
+    agents = start_agents(args, nnodes, nproc_per_node, port, log_dir)
+    try:
+        codes = [agent.wait(timeout=timeout_s) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    text = "\n".join((log_dir / f"agent{i}.log").read_text() for i in range(nnodes))
+    if any(codes):
+        tail = "\n".join(text.splitlines()[-40:])
+        raise TrainingRunError(f"agents exited with {codes}:\n{tail}")
+    return parse_log(text)
 
 
 def flag_list(options: Dict[str, object]) -> List[str]:
