@@ -34,7 +34,8 @@ beyond the fewest. Steps (each a named function; steps 1 and 3 live in ``microba
                            re-plans with as many more buckets as needed.
 7. ``exchange_between_rows`` – moves and swaps of samples between micro-batches while that
                            shortens the critical path (``row_exchange``; batches of at most
-                           ``SEARCH_SAMPLES`` samples, every candidate plan).
+                           ``SEARCH_SAMPLES`` samples, every candidate plan of at most
+                           ``EXCHANGE_ROWS`` micro-batches).
 
 Batches of at most ``SEARCH_SAMPLES`` samples, and plans VPP alignment would split (either with
 at most ``SEARCH_ROWS`` micro-batches), also try step 2 with every micro-batch formed from the

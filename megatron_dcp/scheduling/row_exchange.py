@@ -34,6 +34,9 @@ from megatron_dcp.scheduling.row_refinement import spread
 # partner samples per receiving group examined for swaps.
 EXCHANGE_STEPS = 4
 EXCHANGE_PASSES = 3
+# Plans of more micro-batches are left as they are: a search costs O(K) per micro-batch visited,
+# so a pass costs O(K²) (the fuzzer's tiny budgets make hundreds of micro-batches).
+EXCHANGE_ROWS = 32
 # An exchange must lower Σ peaks by at least this fraction of the relieved micro-batch's peak.
 MIN_GAIN = 1e-4
 EXCHANGE_ITEMS = 6
@@ -71,8 +74,9 @@ class RowView:
 def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
     """Passes over the micro-batches, most-loaded first, each applying its best exchange while
     one shortens the critical path (at most ``EXCHANGE_STEPS`` per micro-batch and pass, at
-    most ``EXCHANGE_PASSES`` passes, ending after a pass without one)."""
-    if len(rows) < 2:
+    most ``EXCHANGE_PASSES`` passes, ending after a pass without one); plans of more than
+    ``EXCHANGE_ROWS`` micro-batches are left alone."""
+    if not 2 <= len(rows) <= EXCHANGE_ROWS:
         return
     views = [RowView(row) for row in rows]
     for _ in range(EXCHANGE_PASSES):
