@@ -14,8 +14,10 @@ its token budget and minimum CP size. Two exchanges are tried, best gain first:
 
 The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
 rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by
-more than ``EPS`` of it, so the search ends. One pass visits the micro-batches most-loaded
-first, each making at most ``EXCHANGE_STEPS`` exchanges. A receiving micro-batch offers, per
+at least ``MIN_GAIN`` of a peak, so the search ends. A pass visits the micro-batches
+most-loaded first, each making at most ``EXCHANGE_STEPS`` exchanges; at most
+``EXCHANGE_PASSES`` passes, on plans of at most ``EXCHANGE_ROWS`` micro-batches. A receiving
+micro-batch offers, per
 CP size, its least-loaded groups (``SWAP_GROUPS`` of them for swaps): one exchange search costs
 O(K · S · s) for K micro-batches, S group sizes and the s samples of a top group examined (at
 most ``EXCHANGE_ITEMS``).
@@ -30,8 +32,7 @@ from megatron_dcp.scheduling.draft import GroupDraft, Item
 from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
 from megatron_dcp.scheduling.row_refinement import spread
 
-# Exchanges per micro-batch, samples of a top group examined; receiving groups per CP size and
-# partner samples per receiving group examined for swaps.
+# Exchanges per micro-batch and pass, and passes.
 EXCHANGE_STEPS = 4
 EXCHANGE_PASSES = 3
 # Plans of more micro-batches are left as they are: a search costs O(K) per micro-batch visited,
@@ -39,6 +40,8 @@ EXCHANGE_PASSES = 3
 EXCHANGE_ROWS = 32
 # An exchange must lower Σ peaks by at least this fraction of the relieved micro-batch's peak.
 MIN_GAIN = 1e-4
+# Samples of a top group examined; for swaps, receiving groups per CP size and partner samples
+# per receiving group.
 EXCHANGE_ITEMS = 6
 SWAP_GROUPS = 2
 SWAP_PARTNERS = 2
@@ -95,7 +98,7 @@ def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
 
 def best_exchange(ctx: Context, views: Sequence[RowView], index: int) -> Optional[Exchange]:
     """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the
-    most (by more than ``EPS`` of the peak); None when none does. The top's peak falls by at
+    most (by at least ``MIN_GAIN`` of the peak); None when none does. The top's peak falls by at
     most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
     first until the relief cannot beat the best gain found."""
     view = views[index]
@@ -157,7 +160,7 @@ def swap_partners(
         if (
             back.seqlen > top_room
             or back.min_cp > top.size
-            or top.tokens == item.seqlen - back.seqlen
+            or top.tokens - item.seqlen + back.seqlen <= 0  # ``top`` left without work
         ):
             continue
         yield back
