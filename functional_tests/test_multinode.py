@@ -3,16 +3,19 @@
 under DCP with the losses of one agent running the same world size; when one node dies (its
 agent and its ranks), the other agent exits with an error within seconds."""
 
-import os
-import signal
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
 from megatron_dcp.testing.functional import load_case
-from megatron_dcp.tools.launcher import flag_list, run_agents, run_pretrain, start_agents
+from megatron_dcp.tools.launcher import (
+    flag_list,
+    kill_tree,
+    run_agents,
+    run_pretrain,
+    start_agents,
+)
 
 NNODES, NPROC_PER_NODE = 2, 2
 TRAIN_ITERS = 3
@@ -48,34 +51,6 @@ def test_two_agents_train_like_one(tmp_path):
     assert len(two.dcp) == TRAIN_ITERS
 
 
-def descendants(pid: int) -> list:
-    """Every process below ``pid`` (from /proc: torchrun starts its ranks in sessions of
-    their own, so killing the agent's process group would leave them running)."""
-    children: dict = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def kill_node(agent) -> None:
-    """What a node failure looks like to the others: its agent and all its ranks gone at once."""
-    for pid in [agent.pid, *descendants(agent.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_a_dead_node_stops_the_other_within_seconds(tmp_path):
     agents = start_agents(
         job_flags(train_iters=1000), NNODES, NPROC_PER_NODE, free_port(), tmp_path
@@ -87,12 +62,12 @@ def test_a_dead_node_stops_the_other_within_seconds(tmp_path):
             assert all(a.poll() is None for a in agents), "an agent exited before training"
             assert time.monotonic() < deadline, "training did not start in 600 s"
             time.sleep(0.5)
-        kill_node(agents[1])
+        kill_tree(agents[1].pid)
         killed = time.monotonic()
         code = agents[0].wait(timeout=DEAD_NODE_EXIT_S + 30)
         elapsed = time.monotonic() - killed
     finally:
         for agent in agents:
-            kill_node(agent)
+            kill_tree(agent.pid)
     assert code != 0, "the surviving agent must report the failure"
     assert elapsed < DEAD_NODE_EXIT_S, f"the surviving agent took {elapsed:.0f} s to exit"

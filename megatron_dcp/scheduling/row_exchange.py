@@ -17,15 +17,13 @@ rule hold), no group is left without a non-empty sample, and each exchange short
 at least ``MIN_GAIN`` of a peak, so the search ends. A pass visits the micro-batches
 most-loaded first, each making at most ``EXCHANGE_STEPS`` exchanges; at most
 ``EXCHANGE_PASSES`` passes, on plans of at most ``EXCHANGE_ROWS`` micro-batches. A receiving
-micro-batch offers, per
-CP size, its least-loaded groups (``SWAP_GROUPS`` of them for swaps): one exchange search costs
-O(K · S · s) for K micro-batches, S group sizes and the s samples of a top group examined (at
-most ``EXCHANGE_ITEMS``).
+micro-batch offers, per CP size, its least-loaded groups (``SWAP_GROUPS`` of them for swaps):
+one exchange search costs O(K · S · s) for K micro-batches, S group sizes and the s samples of
+a top group examined (at most ``EXCHANGE_ITEMS``).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import GroupDraft, Item
@@ -46,13 +44,15 @@ EXCHANGE_ITEMS = 6
 SWAP_GROUPS = 2
 SWAP_PARTNERS = 2
 
-# (gain, sample of the top group, receiving group, its sample sent back or None)
-Exchange = Tuple[float, Item, GroupDraft, Optional[Item]]
+# (gain, sample of the top group, receiving micro-batch's index, receiving group, its sample
+# sent back or None)
+Exchange = Tuple[float, Item, int, GroupDraft, Optional[Item]]
 
 
 class RowView:
-    """One micro-batch as exchanges see it: its peak, the highest load of its other groups, its
-    top group and, per CP size, its groups least-loaded first."""
+    """One micro-batch as exchanges see it: its peak, the highest load of its other groups, the
+    most its peak can fall (``cap``), its top group and, per CP size, its groups least-loaded
+    first."""
 
     def __init__(self, row: Row) -> None:
         self.row = row
@@ -60,6 +60,7 @@ class RowView:
         self.top = ordered[-1]
         self.peak = self.top.load
         self.second = ordered[-2].load if len(ordered) > 1 else 0.0
+        self.cap = self.peak - self.second
         self.by_size: Dict[int, List[GroupDraft]] = {}
         for group in ordered:
             self.by_size.setdefault(group.size, []).append(group)
@@ -89,7 +90,8 @@ def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
                 found = best_exchange(ctx, views, index)
                 if found is None:
                     break
-                other = apply(ctx, views, index, found)
+                apply(ctx, views[index].top, found)
+                other = found[2]
                 views[index], views[other] = RowView(rows[index]), RowView(rows[other])
                 changed = True
         if not changed:
@@ -102,28 +104,28 @@ def best_exchange(ctx: Context, views: Sequence[RowView], index: int) -> Optiona
     most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
     first until the relief cannot beat the best gain found."""
     view = views[index]
-    top, cap = view.top, view.peak - view.second
+    top = view.top
     best: Optional[Exchange] = None
     floor = view.peak * MIN_GAIN
     movable = len(top.items) > 1
     for item in spread(view.partners(top), EXCHANGE_ITEMS):
         out = ctx.load(item.seqlen, top.size)
-        if min(cap, out) <= floor:
+        if min(view.cap, out) <= floor:
             break
         leaves = movable and top.tokens > item.seqlen
         for other, receiver in enumerate(views):
             if other != index:
-                for found in exchanges(ctx, view, item, out, receiver, leaves):
-                    if found[0] > floor:
-                        best, floor = found, found[0]
+                for gain, group, back in exchanges(ctx, view, item, out, receiver, leaves):
+                    if gain > floor:
+                        best, floor = (gain, item, other, group, back), gain
     return best
 
 
 def exchanges(
     ctx: Context, view: RowView, item: Item, out: float, receiver: RowView, leaves: bool
-) -> Iterator[Exchange]:
+) -> Iterator[Tuple[float, GroupDraft, Optional[Item]]]:
     """The exchanges of ``item`` (per-rank cost ``out`` on ``view``'s top group) with
-    ``receiver``, as (gain, item, group, sample sent back or None): per CP size that can take
+    ``receiver``, as (gain, group, sample sent back or None): per CP size that can take
     it, a move to the least-loaded group with room (when ``leaves``: its group keeps a non-empty
     sample) and swaps with the ``SWAP_PARTNERS`` longest shorter samples of the
     ``SWAP_GROUPS`` least-loaded groups. A receiver's peak counts only when it grows (a swap
@@ -137,12 +139,12 @@ def exchanges(
             group = next((g for g in groups if size * budget - g.tokens >= item.seqlen), None)
             if group is not None:
                 growth = max(0.0, group.load + into - receiver.peak)
-                yield min(view.peak - view.second, out) - growth, item, group, None
+                yield min(view.cap, out) - growth, group, None
         for group in groups[:SWAP_GROUPS]:
             for back in swap_partners(ctx, top, item, group, receiver.partners(group)):
-                relief = min(view.peak - view.second, out - ctx.load(back.seqlen, top.size))
+                relief = min(view.cap, out - ctx.load(back.seqlen, top.size))
                 growth = max(0.0, group.load + into - ctx.load(back.seqlen, size) - receiver.peak)
-                yield relief - growth, item, group, back
+                yield relief - growth, group, back
 
 
 def swap_partners(
@@ -152,9 +154,10 @@ def swap_partners(
     first) shorter than ``item`` that may trade places with it: both within the token budget
     and their minimum CP sizes, ``top`` keeping a non-empty sample."""
     room, top_room = ctx.room(group) - item.seqlen, ctx.room(top) + item.seqlen
-    start = bisect_right([-back.seqlen for back in partners], -item.seqlen)
     found = 0
-    for back in partners[start:]:
+    for back in partners:
+        if back.seqlen >= item.seqlen:
+            continue
         if room + back.seqlen < 0:
             return  # shorter partners leave even less room
         if (
@@ -169,13 +172,11 @@ def swap_partners(
             return
 
 
-def apply(ctx: Context, views: Sequence[RowView], index: int, exchange: Exchange) -> int:
-    """Carry out ``exchange`` from micro-batch ``index``; returns the other micro-batch's index."""
-    _, item, group, back = exchange
-    top = views[index].top
+def apply(ctx: Context, top: GroupDraft, exchange: Exchange) -> None:
+    """Carry out ``exchange`` of a sample of ``top``."""
+    _, item, _, group, back = exchange
     top.pop(item, ctx.load(item.seqlen, top.size))
     if back is not None:
         group.pop(back, ctx.load(back.seqlen, group.size))
         top.push(back, ctx.load(back.seqlen, top.size))
     group.push(item, ctx.load(item.seqlen, group.size))
-    return next(i for i, view in enumerate(views) if any(g is group for g in view.row))

@@ -57,15 +57,7 @@ def whole_domain_rows(ctx: Context, items: Sequence[Item], vpp: int, limit: int)
             needed=len(bins),
             capacity=capacity,
         )
-    return [[whole_domain_group(ctx, bin_items)] for bin_items in bins]
-
-
-def whole_domain_group(ctx: Context, items: Sequence[Item]) -> GroupDraft:
-    """One group over the whole domain holding ``items``."""
-    group = ctx.group(ctx.domain.root())
-    for item in items:
-        group.push(item, ctx.load(item.seqlen, ctx.domain.size))
-    return group
+    return [[group_of_items(ctx.domain.root(), bin_items, ctx.cost)] for bin_items in bins]
 
 
 def split_row(ctx: Context, rows: List[Row]) -> None:
@@ -150,4 +142,4 @@ def single_row(ctx: Context, items: List[Item]) -> Row:
     """``items`` as one micro-batch: laid out by :func:`next_hdp_group` when everything fits,
     else one whole-domain group (their tokens fit the domain)."""
     row, leftovers = next_hdp_group(ctx, items)
-    return row if not leftovers else [whole_domain_group(ctx, items)]
+    return row if not leftovers else [group_of_items(ctx.domain.root(), items, ctx.cost)]

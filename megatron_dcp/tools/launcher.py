@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -162,12 +163,41 @@ def run_agents(
     finally:
         for agent in agents:
             if agent.poll() is None:
-                agent.kill()
+                kill_tree(agent.pid)
     text = "\n".join((log_dir / f"agent{i}.log").read_text() for i in range(nnodes))
     if any(codes):
         tail = "\n".join(text.splitlines()[-40:])
         raise TrainingRunError(f"agents exited with {codes}:\n{tail}")
     return parse_log(text)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it at once (what a node failure looks like).
+    torchrun starts its ranks in sessions of their own: killing only the agent, or its process
+    group, leaves them running."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def descendants(pid: int) -> List[int]:
+    """Every process below ``pid``, from /proc (Linux)."""
+    children: Dict[int, List[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
 
 def flag_list(options: Dict[str, object]) -> List[str]:
