@@ -19,9 +19,11 @@ from typing import Any, Optional, Sequence
 
 from megatron_dcp.integration.cost_models import (
     cost_model_of,
+    default_hardware_name,
     model_shape_from_args,
     model_shape_of,
 )
+from megatron_dcp.integration.nodes import RANKS_PER_NODE_FLAG, node_layout, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
@@ -117,6 +119,15 @@ def add_cost_args(group: Any) -> None:
         "backend, h100-nvlink otherwise).",
     )
     group.add_argument(
+        RANKS_PER_NODE_FLAG,
+        type=int,
+        default=None,
+        metavar="R",
+        help="Ranks (GPUs) per node: CP groups that span nodes are priced at the hardware "
+        "profile's inter-node tier (default: torchrun's LOCAL_WORLD_SIZE or SLURM's "
+        "SLURM_NTASKS_PER_NODE; none: one node).",
+    )
+    group.add_argument(
         COST_ADAPT_FLAG,
         default="on",
         choices=("on", "off"),
@@ -144,11 +155,16 @@ class DCPConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     cost_model: Optional[CostModel] = None
     cost_adapt: bool = True
+    # Ranks per node (None: one node) and the hardware profile whose two link tiers price the
+    # CP groups that cross a node boundary (None: by backend).
+    ranks_per_node: Optional[int] = None
+    hardware: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
         check_scheduler(self.scheduler)
         check_cost(self.cost_model, self.cost_adapt)
+        ranks_per_node(self.ranks_per_node)
         if not is_power_of_two(self.min_cp_size):
             raise ValueError(
                 f"{MIN_CP_FLAG}={self.min_cp_size!r}: must be a power of two (1, 2, 4, ...) no "
@@ -178,6 +194,8 @@ class DCPConfig:
             ),
             cost_model=cost_model_from_args(args),
             cost_adapt=getattr(args, "dcp_cost_adapt", "on") == "on",
+            ranks_per_node=ranks_per_node(getattr(args, "dcp_ranks_per_node", None)),
+            hardware=getattr(args, "dcp_hardware_profile", None),
         )
 
     @classmethod
@@ -228,15 +246,18 @@ class DCPConfig:
         """Every sequence of a CP group of ``group_size`` is padded to a multiple of this."""
         return padding_multiple(group_size, self.tp_size, self.sequence_parallel)
 
-    def build_scheduler(self, domain_size: int) -> Scheduler:
-        """The scheduler over a DP×CP domain of ``domain_size`` positions; errors name flags."""
+    def build_scheduler(
+        self, domain_size: int, domain_ranks: Optional[Sequence[int]] = None
+    ) -> Scheduler:
+        """The scheduler over a DP×CP domain of ``domain_size`` positions (global ranks
+        ``domain_ranks``: then its cost model knows the node layout); errors name flags."""
         if domain_size < 1 or domain_size % self.cp_size:
             raise ValueError(
                 f"domain_size={domain_size}: must be a positive multiple of the static "
                 f"--context-parallel-size={self.cp_size} (the DP×CP ranks)."
             )
         try:
-            return build_scheduler(
+            scheduler = build_scheduler(
                 self.scheduler,
                 dp_size=domain_size // self.cp_size,
                 cp_size=self.cp_size,
@@ -245,6 +266,11 @@ class DCPConfig:
                 microbatch_group_size_per_vp_stage=self.vpp_group,
                 cost_model=self.cost_model,
             )
+            if domain_ranks is not None:
+                hardware = self.hardware or default_hardware_name()
+                layout = node_layout(scheduler.domain, domain_ranks, self.ranks_per_node, hardware)
+                scheduler.cost_model = scheduler.cost_model.with_nodes(layout)
+            return scheduler
         except SchedulingError as error:
             raise flag_error(error) from None
 

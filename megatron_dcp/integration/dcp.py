@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megatron_dcp.integration.config import DCPConfig, check_model_config
+from megatron_dcp.integration.nodes import check_ranks_per_node
 from megatron_dcp.integration.schedule import DCPForwardBackward
 from megatron_dcp.runtime.groups import DCPGroups, domain_rank_lists_from
 
@@ -37,11 +38,13 @@ def build_forward_backward(
     check_model_config(model_config)
     config = config.with_model(model_config)
     domain_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    groups = groups or create_dcp_groups(config.min_cp_size)
+    check_ranks_per_node(config.ranks_per_node, dist.get_world_size())
     return DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
         config=config,
-        scheduler=config.build_scheduler(dist.get_world_size(domain_group)),
-        groups=groups or create_dcp_groups(config.min_cp_size),
+        scheduler=config.build_scheduler(groups.domain_size, groups.domain_ranks),
+        groups=groups,
         dp_group=parallel_state.get_data_parallel_group(),
         domain_group=domain_group,
     )

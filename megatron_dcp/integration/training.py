@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.integration.config import DCPConfig
+from megatron_dcp.integration.nodes import describe_layout
 from megatron_dcp.integration.patches import apply_groups, timed, timing_backward, use_schedule
 from megatron_dcp.integration.patches.timing import BusyClock
 from megatron_dcp.integration.schedule import BatchStats, DCPForwardBackward
@@ -67,6 +68,7 @@ class DCPSchedule:
         if self.wrapper.config.cost_adapt:
             self.refinement = OnlineRefinement(self.wrapper.scheduler.cost_model)
         self.log(" " + self.wrapper.groups.report())
+        self.log(" " + describe_layout(self.wrapper.scheduler.cost_model.nodes))
         return self.wrapper
 
     def refine(self, times: Sequence[float]) -> None:
@@ -74,7 +76,8 @@ class DCPSchedule:
         same order on every rank) and plan the next global batch with it."""
         if self.refinement is None or self.wrapper is None or self.wrapper.plan is None:
             return
-        cost = self.refinement.update(rank_features(self.wrapper.plan), times)
+        nodes = self.refinement.prior.nodes
+        cost = self.refinement.update(rank_features(self.wrapper.plan, nodes), times)
         self.wrapper.use_cost_model(cost)
 
     def describe(self, stats: BatchStats, elapsed_s: float, times: Sequence[float]) -> str:

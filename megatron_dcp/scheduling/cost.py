@@ -14,6 +14,11 @@ share the ring passes). ``per_rank(L, c)`` is one sequence's share without the r
 ``microbatch`` is the fixed cost every rank pays per micro-batch (launches, Python, pipeline
 hand-offs): it weighs the micro-batch count in the critical path.
 
+With a node layout (``nodes``, a :class:`~megatron_dcp.scheduling.topology.NodeLayout`), a
+group larger than ``nodes.node_size`` spans nodes: its ring runs at the inter-node tier, its
+``comm`` and ``ring_step`` multiplied by the layout's factors (a ring is as slow as its slowest
+link). Without one, every group is priced at the intra-node tier.
+
 Coefficients built from a model and a hardware profile (:meth:`CostModel.from_model_shape`) or
 fitted by ``megatron-dcp calibrate`` are in seconds; the scheduler only compares costs, so any
 unit works. One object is built once and passed to every scheduler and to the simulator;
@@ -32,6 +37,7 @@ from megatron_dcp.scheduling.hardware import (
     hardware_profile,
 )
 from megatron_dcp.scheduling.model_shape import ModelShape
+from megatron_dcp.scheduling.topology import NodeLayout
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class CostModel:
     cp_efficiency: float = 1.0
     name: str = "custom"
     microbatch: float = 0.0
+    nodes: Optional[NodeLayout] = None
 
     def __post_init__(self) -> None:
         values = (self.linear, self.quadratic, self.comm, self.ring_step, self.microbatch)
@@ -88,7 +95,8 @@ class CostModel:
         if cp_size <= 1:
             return 0.0
         slower = self.quadratic * seqlen * seqlen * (1.0 / self.cp_efficiency - 1.0)
-        return (slower + self.comm * seqlen * (cp_size - 1)) / cp_size
+        comm = self.comm * self.nodes.comm_factor if self.crosses_nodes(cp_size) else self.comm
+        return (slower + comm * seqlen * (cp_size - 1)) / cp_size
 
     def per_rank(self, seqlen: int, cp_size: int) -> float:
         """One sequence's per-rank cost on a CP group of ``cp_size`` ranks, ring term excluded."""
@@ -96,7 +104,22 @@ class CostModel:
 
     def ring_cost(self, cp_size: int) -> float:
         """The ring steps a non-empty CP group of ``cp_size`` ranks pays once per micro-batch."""
-        return self.ring_step * (cp_size - 1) if cp_size > 1 else 0.0
+        if cp_size <= 1:
+            return 0.0
+        step = (
+            self.ring_step * self.nodes.ring_factor
+            if self.crosses_nodes(cp_size)
+            else self.ring_step
+        )
+        return step * (cp_size - 1)
+
+    def crosses_nodes(self, cp_size: int) -> bool:
+        """True when a group of ``cp_size`` ranks spans nodes (always False without a layout)."""
+        return self.nodes is not None and self.nodes.crosses(cp_size)
+
+    def with_nodes(self, nodes: Optional[NodeLayout]) -> "CostModel":
+        """The same coefficients priced over the node layout ``nodes`` (None: one tier)."""
+        return replace(self, nodes=nodes)
 
     def group_cost(self, seqlens: Iterable[int], cp_size: int) -> float:
         """Per-rank cost of a CP group of ``cp_size`` ranks packing ``seqlens`` in one

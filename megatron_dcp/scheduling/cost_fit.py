@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.plan import Plan
+from megatron_dcp.scheduling.topology import NodeLayout
 
 # Steps a refinement ignores at the start: the first iteration of a run pays one-time costs
 # (process groups created lazily, allocator and autograd warm-up).
@@ -29,9 +30,13 @@ PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
 Vector = List[float]
 
 
-def group_features(seqlens: Sequence[int], cp_size: int) -> Vector:
+def group_features(
+    seqlens: Sequence[int], cp_size: int, nodes: Optional[NodeLayout] = None
+) -> Vector:
     """Features of one rank of a CP group of ``cp_size`` packing ``seqlens`` in one micro-batch
-    (the micro-batch count is 0 here: :func:`rank_features` adds it)."""
+    (the micro-batch count is 0 here: :func:`rank_features` adds it). Over a node layout, a
+    group that spans nodes counts its K/V and ring-step features times the layout's factors
+    (the coefficients stay those of the intra-node tier)."""
     lengths = list(seqlens)
     if not lengths:
         return [0.0] * len(FEATURES)
@@ -40,15 +45,17 @@ def group_features(seqlens: Sequence[int], cp_size: int) -> Vector:
     squares = float(sum(n * n for n in lengths))
     if c == 1:
         return [tokens, squares, 0.0, 0.0, 0.0, 0.0]
-    return [tokens / c, 0.0, squares / c, tokens * (c - 1) / c, float(c - 1), 0.0]
+    comm, ring = (nodes.comm_factor, nodes.ring_factor) if nodes and nodes.crosses(c) else (1, 1)
+    return [tokens / c, 0.0, squares / c, comm * tokens * (c - 1) / c, ring * (c - 1.0), 0.0]
 
 
-def rank_features(plan: Plan) -> List[Vector]:
-    """Per position of the domain, the features of everything it runs in ``plan``."""
+def rank_features(plan: Plan, nodes: Optional[NodeLayout] = None) -> List[Vector]:
+    """Per position of the domain, the features of everything it runs in ``plan`` (over the
+    node layout ``nodes``, see :func:`group_features`)."""
     rows = [[0.0] * len(FEATURES) for _ in range(plan.domain.size)]
     for microbatch in plan.microbatches:
         for group in microbatch.groups:
-            values = group_features([plan.seqlens[i] for i in group.sample_ids], group.size)
+            values = group_features([plan.seqlens[i] for i in group.sample_ids], group.size, nodes)
             for rank in group.ranks:
                 rows[rank] = [x + y for x, y in zip(rows[rank], values)]
         for row in rows:
@@ -68,7 +75,9 @@ def coefficients(cost: CostModel) -> Vector:
     ]
 
 
-def from_coefficients(theta: Sequence[float], name: str = "fitted") -> CostModel:
+def from_coefficients(
+    theta: Sequence[float], name: str = "fitted", nodes: Optional[NodeLayout] = None
+) -> CostModel:
     """The cost model of ``θ``: η = b / (b/η), clamped to (0, 1] (CP attention is never faster
     than whole-sequence attention); with no whole-sequence data (b = 0) the CP rate is the rate."""
     a, b, b_cp, comm, ring, microbatch = (max(0.0, float(x)) for x in theta)
@@ -78,7 +87,7 @@ def from_coefficients(theta: Sequence[float], name: str = "fitted") -> CostModel
         eta = min(1.0, b / b_cp) if b_cp > 0 else 1.0
     if a + b <= 0:
         raise ValueError(f"fitted coefficients {list(theta)} leave no work per token")
-    return CostModel(a, b, comm, ring, eta, name, microbatch)
+    return CostModel(a, b, comm, ring, eta, name, microbatch, nodes)
 
 
 def predict(theta: Sequence[float], features: Sequence[float]) -> float:
@@ -175,7 +184,7 @@ class OnlineRefinement:
 
     @property
     def cost(self) -> CostModel:
-        return from_coefficients(self.theta, self.prior.name)
+        return from_coefficients(self.theta, self.prior.name, self.prior.nodes)
 
     def update(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> CostModel:
         """Take one step's observations (features and measured seconds per rank); returns the

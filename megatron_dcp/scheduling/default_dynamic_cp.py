@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.balance import lpt_partition
-from megatron_dcp.scheduling.draft import Item, freeze_microbatch
+from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
 from megatron_dcp.scheduling.metrics import fluid_lower_bound
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
@@ -81,15 +81,13 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         ctx = Context(self.domain, self.cost_model)
         items = [Item(i, seqlen, self.domain.cp_degree(seqlen)) for i, seqlen in enumerate(seqlens)]
-        pool = heaviest_first(ctx, items)
         vpp = self.microbatch_group_size_per_vp_stage
-        plans = aligned_plans(ctx, pool, items, vpp, False)
-        # Small batches, and plans that VPP alignment would split, also try the all-levels and
-        # the packing variants (their own micro-batch counts) unless the plan is long (each
-        # variant costs a scan of the pool per micro-batch); the best plan wins.
-        if (len(items) <= SEARCH_SAMPLES or len(plans) > 1) and len(plans[0]) <= SEARCH_ROWS:
-            plans += aligned_plans(ctx, pool, items, vpp, True)
-            plans.append(align_to_vpp(ctx, packed_rows(ctx, pool, vpp), items, vpp))
+        plans = candidate_plans(ctx, items, vpp)
+        nodes = self.cost_model.nodes
+        if len(items) <= SEARCH_SAMPLES and nodes and nodes.node_size < self.domain.size:
+            # Over nodes, the plans made blind to them are candidates too, priced as they are.
+            blind = Context(self.domain, self.cost_model.with_nodes(None))
+            plans += [repriced(ctx, rows) for rows in candidate_plans(blind, items, vpp)]
         if len(items) <= SEARCH_SAMPLES:
             for rows in plans:
                 exchange_between_rows(ctx, rows)
@@ -98,6 +96,23 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
             bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
             best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         return [freeze_microbatch(row) for row in best]
+
+
+def candidate_plans(ctx: Context, items: Sequence[Item], vpp: Optional[int]) -> List[List[Row]]:
+    """Step 2's plans, aligned to ``vpp``. Small batches, and plans that VPP alignment would
+    split, also try the all-levels and the packing variants (their own micro-batch counts)
+    unless the plan is long (each variant costs a scan of the pool per micro-batch)."""
+    pool = heaviest_first(ctx, items)
+    plans = aligned_plans(ctx, pool, items, vpp, False)
+    if (len(items) <= SEARCH_SAMPLES or len(plans) > 1) and len(plans[0]) <= SEARCH_ROWS:
+        plans += aligned_plans(ctx, pool, items, vpp, True)
+        plans.append(align_to_vpp(ctx, packed_rows(ctx, pool, vpp), items, vpp))
+    return plans
+
+
+def repriced(ctx: Context, rows: Sequence[Row]) -> List[Row]:
+    """The same micro-batches with their loads under ``ctx``'s cost model."""
+    return [[group_of_items(g.block, g.items, ctx.cost) for g in row] for row in rows]
 
 
 def plan_rank(ctx: Context, rows: Sequence[Row], bound: float) -> Tuple[int, float, float]:

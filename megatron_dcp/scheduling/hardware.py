@@ -10,7 +10,7 @@ ones, and online refinement corrects them while training runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 from megatron_dcp.scheduling.errors import SchedulingError
 
@@ -37,6 +37,16 @@ class HardwareProfile:
     # CP attention speed relative to whole-sequence attention (smaller ring chunks).
     cp_efficiency: float = 1.0
     bytes_per_element: int = 2
+    # The same two for a ring step that crosses a node boundary (None: as inside a node).
+    inter_node_link_bandwidth: Optional[float] = None
+    inter_node_ring_step_latency: Optional[float] = None
+
+    def inter_node_factors(self) -> Tuple[float, float]:
+        """How many times more a CP group that spans nodes pays for its exposed K/V exchange
+        (the bandwidth ratio) and for each ring step (the latency ratio) than one inside a node."""
+        bandwidth = self.inter_node_link_bandwidth or self.link_bandwidth
+        latency = self.inter_node_ring_step_latency or self.ring_step_latency
+        return self.link_bandwidth / bandwidth, latency / self.ring_step_latency
 
 
 HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
@@ -49,7 +59,11 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
     # - 15 µs per ring step: NCCL p2p latency on NVLink (≈ 8 µs) plus the launches of the
     #   chunk-attention and softmax-correction kernels (≈ 3 µs each);
     # - 10 µs per layer pass: launch overhead of a layer's kernels outside CUDA graphs;
-    # - ring chunks run at 95 % of the speed of whole-sequence attention (shorter tiles).
+    # - ring chunks run at 95 % of the speed of whole-sequence attention (shorter tiles);
+    # - across nodes, 50 GB/s per GPU: one 400 Gb/s InfiniBand NDR adapter per GPU (DGX H100:
+    #   8 ConnectX-7 per node), 9× less than NVLink;
+    # - 35 µs per ring step across nodes: an NCCL p2p message over InfiniBand with GPUDirect
+    #   RDMA (≈ 25 µs through NCCL's network proxy) plus the same two kernel launches.
     "h100-nvlink": HardwareProfile(
         name="h100-nvlink",
         peak_flops=989e12,
@@ -60,6 +74,8 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
         ring_step_latency=15e-6,
         layer_pass_overhead=10e-6,
         cp_efficiency=0.95,
+        inter_node_link_bandwidth=50e9,
+        inter_node_ring_step_latency=35e-6,
     ),
     # The CPU backend of this project (gloo, fp32, one thread per rank), measured by
     # `megatron-dcp calibrate` on the project's 2-core machine (2 layers, hidden 128, FFN 512,
@@ -69,7 +85,8 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
     # - attention 7.4 GFLOP/s (8 %): the reference attention materialises L×L scores;
     # - 0.22 GB/s for K/V through gloo, nothing hidden (K/V are gathered before attention);
     # - 4 ms per CP step of a layer pass and 2 ms per layer pass: gloo round trips and the Python
-    #   and autograd dispatch of a small layer dominate on CPU.
+    #   and autograd dispatch of a small layer dominate on CPU;
+    # - no second tier: the ranks of this machine talk over loopback, wherever a "node" ends.
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo",
         peak_flops=96e9,

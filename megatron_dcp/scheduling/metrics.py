@@ -43,9 +43,10 @@ def lower_bound(plan: Plan, cost: CostModel) -> float:
     tokens fit in. It is a true lower bound of the critical path:
 
     - the total cost c · per_rank(L, c) = a·L + b·L²/η + comm·L·(c−1) (c > 1) never falls as c
-      grows (η ≤ 1, comm ≥ 0);
-    - a group of c ≥ c_i ranks pays c · ring_step·(c−1) in all for at most c · budget tokens, so
-      each of its tokens carries at least ring_step·(c_i−1) / budget of ring steps;
+      grows (η ≤ 1, comm ≥ 0; with a node layout, comm only grows once c crosses a node);
+    - a group of c ≥ c_i ranks pays c · ring_cost(c) in all for at most c · budget tokens, so
+      each of its tokens carries at least ring_cost(c_i) / budget of ring steps (ring_cost
+      never falls as c grows: the inter-node factors are ≥ 1);
     - every micro-batch's most-loaded rank carries at least the micro-batch's mean load, and no
       plan has fewer than K micro-batches."""
     return fluid_lower_bound(plan.seqlens, plan.domain, cost)

@@ -75,16 +75,25 @@ def build_trial(
 
 def absorb_leftovers(ctx: Context, builder: MicroBatchBuilder, leftovers: List[Item]) -> List[Item]:
     """The last micro-batch places its leftovers above the level when that costs less than the
-    extra micro-batch they would need (their work / N), give or take ``LAST_SLACK`` of the peak:
-    one micro-batch fewer is worth that much. Returns the samples still left."""
+    extra micro-batch they would need, give or take ``LAST_SLACK`` of the peak: one micro-batch
+    fewer is worth that much. Returns the samples still left."""
     peak = max(group.load for group in builder.groups)
-    limit = peak * (1 + LAST_SLACK) + sum(map(ctx.min_work, leftovers)) / ctx.domain.size
+    limit = peak * (1 + LAST_SLACK) + extra_microbatch_cost(ctx, leftovers)
     builder.level, builder.journal = float("inf"), []
     rest = builder.fill_from(leftovers)
     if max(group.load for group in builder.groups) > limit:
         builder.undo()
         return leftovers
     return rest
+
+
+def extra_microbatch_cost(ctx: Context, items: Sequence[Item]) -> float:
+    """A lower bound of what a micro-batch holding ``items`` costs: its fixed cost plus the
+    larger of their mean work per rank and the least per-rank cost of the heaviest alone (on
+    any CP size its ring steps included)."""
+    alone = max(min(ctx.alone(it.seqlen, s) for s in ctx.sizes_from(it.min_cp)) for it in items)
+    mean = sum(map(ctx.min_work, items)) / ctx.domain.size
+    return max(mean, alone) + ctx.cost.microbatch
 
 
 def fill_level(ctx: Context, pool: Sequence[Item]) -> float:

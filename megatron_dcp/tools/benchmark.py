@@ -29,7 +29,8 @@ from megatron_dcp.tools.compare import (
     render_table,
     run_scheduler,
 )
-from megatron_dcp.tools.simulate import add_cost_profile_arg
+from megatron_dcp.tools.simulate import add_cost_profile_arg, add_ranks_per_node_arg
+from megatron_dcp.tools.topology_table import format_tier_table, tier_row
 from megatron_dcp.tools.workloads import (
     REFERENCE_WORKLOADS,
     Workload,
@@ -44,6 +45,8 @@ DEFAULT_BUDGETS = (2048, 4096)
 DEFAULT_VPP = (1, 2, 4)
 # The quality target: a critical path within this factor of the lower bound.
 TARGET_RATIO = 1.05
+# Critical paths within this relative difference are equal (float summation order).
+TIE = 1e-9
 # The dev peer is our re-implementation of upstream's algorithm, written for clarity, not speed:
 # its plan time says nothing about upstream's, so the plan-time table leaves it out.
 TIMED_SCHEDULERS = (OURS, "dp_balanced", PEER_ALIAS)
@@ -74,17 +77,26 @@ def benchmark_comparisons(args: argparse.Namespace) -> List[Comparison]:
     """Every case under every selected cost model; each cost model's table printed as it ends."""
     comparisons = []
     for label, cost in chosen_costs(args.cost_model or DEFAULT_COST_MODELS, args.cost_profile):
-        table = []
+        table, tiers = [], []
         for workload, budget, vpp in matrix_cases(args):
+            vpp_group = vpp if vpp > 1 else None
             spec = DomainSpec(
-                workload.dp_size, workload.cp_size, budget, vpp=vpp if vpp > 1 else None
+                workload.dp_size,
+                workload.cp_size,
+                budget,
+                vpp=vpp_group,
+                ranks_per_node=args.ranks_per_node,
             )
             title = f"{workload.name} b{budget} vpp{vpp}"
             lengths = matrix_lengths(workload, budget, args.seed)
             table.append(evaluate(title, lengths, spec, (label, cost), BENCHMARK_SCHEDULERS))
+            if args.ranks_per_node:
+                tiers.append(tier_row(title, lengths, spec, cost))
         comparisons += table
         if not args.json:
             print(format_matrix(label, table) + "\n", flush=True)
+            if tiers:
+                print(format_tier_table(label, args.ranks_per_node, tiers) + "\n", flush=True)
     return comparisons
 
 
@@ -131,7 +143,7 @@ def format_matrix(label: str, table: Sequence[Comparison]) -> str:
         )
     summary = (
         f"ours/dev: mean {statistics.mean(ratios):.3f}, worst {max(ratios):.3f}, "
-        f"ours ≤ dev in {sum(r <= 1 for r in ratios)}/{len(ratios)}; "
+        f"ours ≤ dev in {sum(r <= 1 + TIE for r in ratios)}/{len(ratios)}; "
         f"ours ≤ {TARGET_RATIO} × LB in {within}/{len(table)}"
         if ratios
         else "no case with both plans"
@@ -248,6 +260,7 @@ def add_benchmark(sub: Any) -> None:
         metavar="K",
         help="VPP micro-batch group sizes, 1 = no VPP (repeatable; default 1 2 4)",
     )
+    add_ranks_per_node_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="skip the N=1024 plan-time run")
     p.add_argument("--no-timing", action="store_true", help="skip the plan-time runs")

@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling import CostModel, Scheduler, build_cost_model, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE, hardware_profile
+from megatron_dcp.scheduling.topology import NodeLayout, contiguous_nodes
 from megatron_dcp.tools.cli import error_message
 from megatron_dcp.tools.plot import Panel, plan_panel
 from megatron_dcp.tools.simulator import Report, report, timed_schedule
@@ -31,16 +33,32 @@ class DomainSpec:
     budget: int
     min_cp_size: int = 1
     vpp: Optional[int] = None
+    # Ranks per node (positions are global ranks here, TP 1); None: one node, one link tier.
+    ranks_per_node: Optional[int] = None
 
     def domain(self) -> Domain:
         """The validated domain (raises ValueError on bad settings)."""
         return Domain(self.dp_size, self.cp_size, self.budget, self.min_cp_size)
+
+    def node_layout(self) -> Optional[NodeLayout]:
+        """The domain's node layout priced with the GPU profile's two link tiers (None without
+        ``ranks_per_node``)."""
+        if self.ranks_per_node is None:
+            return None
+        domain = self.domain()
+        nodes = contiguous_nodes(range(domain.size), self.ranks_per_node)
+        return NodeLayout.of_positions(domain, nodes, hardware_profile(DEFAULT_GPU_PROFILE))
+
+    def priced(self, cost: CostModel) -> CostModel:
+        """``cost`` over this domain's node layout (unchanged without ``ranks_per_node``)."""
+        return cost if self.ranks_per_node is None else cost.with_nodes(self.node_layout())
 
     def describe(self) -> str:
         """One line for table headers."""
         n = self.dp_size * self.cp_size
         extra = f", min CP {self.min_cp_size}" if self.min_cp_size > 1 else ""
         extra += f", VPP group {self.vpp}" if self.vpp else ""
+        extra += f", {self.ranks_per_node} ranks per node" if self.ranks_per_node else ""
         return f"dp {self.dp_size} × cp {self.cp_size} (N={n}), budget {self.budget}{extra}"
 
 
@@ -178,7 +196,7 @@ def evaluate(
     panels: bool = False,
 ) -> Comparison:
     """Every scheduler of ``schedulers`` on one workload under one (label, cost model)."""
-    label, model = cost
+    label, model = cost[0], spec.priced(cost[1])
     comparison = Comparison(title, spec, label, lengths)
     for name in schedulers:
         comparison.results.append(run_scheduler(name, lengths, spec, model, panels))
@@ -212,8 +230,10 @@ def report_cells(plan_report: Report) -> List[str]:
     microbatches = str(plan_report.num_microbatches)
     if plan_report.num_groups is not None:
         microbatches += f" ({plan_report.num_groups} groups)"
+    crossing = [] if plan_report.crossing_groups is None else [str(plan_report.crossing_groups)]
     return [
         plan_report.scheduler,
+        *crossing,
         f"{plan_report.critical_path:.3e}",
         f"{plan_report.ratio:.3f}",
         microbatches,
@@ -246,7 +266,11 @@ def format_comparison(comparison: Comparison) -> str:
     reports = [result.report for result in comparison.results if result.report is not None]
     if reports:
         lines.append(f"   lower bound {reports[0].lower_bound:.3e}")
-        lines.append(render_table(RESULT_HEADER, [report_cells(r) for r in reports], "lrrrrrlr"))
+        crossing = comparison.spec.ranks_per_node is not None
+        header = [RESULT_HEADER[0], *(["groups crossing nodes"] if crossing else [])]
+        header += RESULT_HEADER[1:]
+        align = "lr" + "r" * crossing + "rrrrlr"
+        lines.append(render_table(header, [report_cells(r) for r in reports], align))
     for result in comparison.results:
         if result.report is None:
             prefix = "note" if result.omitted else "n/a "

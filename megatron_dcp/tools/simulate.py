@@ -46,6 +46,7 @@ def domain_spec(args: argparse.Namespace, workload: Workload) -> DomainSpec:
         args.max_seqlen_per_dp_cp_rank or workload.budget,
         args.min_cp_size,
         args.microbatch_group_size_per_vp_stage,
+        args.ranks_per_node,
     )
 
 
@@ -118,6 +119,17 @@ def add_domain_args(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="K",
         help="with VPP: the micro-batch count must be a multiple of K",
+    )
+    add_ranks_per_node_arg(parser)
+
+
+def add_ranks_per_node_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        metavar="R",
+        help="GPUs per node: CP groups that span nodes pay the h100-nvlink profile's "
+        "inter-node tier (InfiniBand) for their ring; the tables count them",
     )
 
 

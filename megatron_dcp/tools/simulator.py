@@ -11,6 +11,7 @@ from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound, rank_tokens
 from megatron_dcp.scheduling.plan import Plan
 from megatron_dcp.scheduling.registry import Scheduler
+from megatron_dcp.scheduling.topology import crossing_groups
 
 
 @dataclass
@@ -27,6 +28,8 @@ class Report:
     plan_time_s: float = 0.0
     # Barrier-separated groups, for schedulers that have them (megatron-core's hybrid-CP peer).
     num_groups: Optional[int] = None
+    # CP groups that span nodes, when the cost model has a node layout.
+    crossing_groups: Optional[int] = None
 
     @property
     def ratio(self) -> float:
@@ -47,6 +50,7 @@ def report(name: str, plan: Plan, cost: CostModel, plan_time_s: float = 0.0) -> 
         mean_tokens_per_rank=sum(tokens) / len(tokens) if tokens else 0.0,
         cp_size_histogram=plan.cp_size_histogram(),
         plan_time_s=plan_time_s,
+        crossing_groups=crossing_groups(plan, cost.nodes) if cost.nodes else None,
     )
 
 

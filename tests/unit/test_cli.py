@@ -155,6 +155,17 @@ def test_benchmark_restricted(monkeypatch, capsys):
     assert "== plan time" in out and "dp 2 × cp 2" in out and "dp 4 × cp 2" not in out
 
 
+def test_ranks_per_node_counts_the_groups_that_cross_nodes(capsys):
+    argv = ["simulate", "--workload", "uniform", "--no-peer", "--ranks-per-node", "8", "--json"]
+    code, out, _ = run(capsys, argv + ["--max-seqlen-per-dp-cp-rank", "2048"])
+    results = json.loads(out)["results"]
+    planned = [r for r in results if "error" not in r]  # static CP4 cannot hold 32K
+    assert code == 0 and planned and all(r["crossing_groups"] > 0 for r in planned)
+    argv = ["benchmark", "--workload", "uniform", "--no-timing", "--cost-model", "latency"]
+    code, out, _ = run(capsys, argv + ["--budget", "2048", "--vpp", "1", "--ranks-per-node", "8"])
+    assert code == 0 and "8 ranks per node" in out and "two tiers shorter in" in out
+
+
 def test_benchmark_json(monkeypatch, capsys):
     argv = ["benchmark", "--workload", "4", "--no-timing", "--json", "--cost-model", "model"]
     code, out, _ = run(capsys, argv + ["--budget", "2048", "--vpp", "4"])
