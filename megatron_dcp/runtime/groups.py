@@ -2,25 +2,41 @@
 
 A plan assigns every position of the DP×CP domain to an aligned block of positions (a CP group)
 per micro-batch; the model then runs that micro-batch's attention over the block's process group.
-``DCPGroups.create`` builds all of them once, after the model-parallel groups exist, in one order
-on every rank (``torch.distributed.new_group`` must be called by every rank for every group, in
-the same order). The block set is the scheduling layer's (``Domain.group_sizes`` /
-``Domain.is_group_block``), so plans and communicators cannot disagree.
+``DCPGroups.create`` builds them once, after the model-parallel groups exist. The block set is the
+scheduling layer's (``Domain.group_sizes`` / ``Domain.is_group_block``), so plans and
+communicators cannot disagree.
+
+Members-only creation: a rank calls ``new_group(..., use_local_synchronization=True)`` only for
+the blocks it belongs to (``communicator_budget``: about log2(N / min_cp_size) calls instead of
+about N per domain). torch names such a group by its ranks *and* the number of process groups the
+caller holds at that moment, so the members of a block must hold equally many when they create
+it: the registry creates the largest blocks first (every member of a block then has created the
+same larger blocks before it, also when N is not a power of two) and checks, in the one
+all-reduce it makes anyway, that the members held equally many groups before. When that check
+fails, when a name would repeat that of a group this process created and destroyed before (its
+stale rendezvous keys in the store hang the new group), or when the default group is bound to a
+device (torch then splits the default NCCL communicator, a call every rank must join), every rank
+creates every block, as torch's default ``new_group`` requires (same order everywhere).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed import distributed_c10d as _c10d
 
 from megatron_dcp.scheduling import Block, CPGroup, Domain
 
 RankTuple = tuple[int, ...]
+_LOG = logging.getLogger(__name__)
+# (ranks, groups held by the caller) of every members-only group made in this process: its name.
+_MEMBERS_ONLY_MADE: set[tuple[RankTuple, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,8 @@ class DCPGroups:
         ``domain_rank_lists`` holds every DP×CP rank list of the job (global ranks, each sorted;
         a rank's position is its index in its list). ``reuse`` maps rank tuples to existing
         groups (e.g. megatron's DP×CP and CP groups); a block is reused only when every one of its
-        members offers a group for it (agreed with one all-reduce of offer counts).
+        members offers a group for it. One all-reduce over the world agrees on the reuse and on
+        members-only creation (module docstring), then each rank creates only its own blocks.
         """
         lists = _check_domain_lists(domain_rank_lists, dist.get_rank(), dist.get_world_size())
         domain = _domain_of(len(lists[0]), min_cp_size)
@@ -82,8 +99,8 @@ class DCPGroups:
             for ranks in lists
         ]
         offered = _offered_groups(reuse)
-        reused = _agree_on_reuse(candidates, offered)
-        entries = _build_entries(candidates, reused, offered, backend)
+        reused, members_only = _agree_on_reuse(candidates, offered, backend)
+        entries = _build_entries(candidates, reused, offered, backend, members_only)
         if 1 in domain.group_sizes:
             entries[1] = _Entry((dist.get_rank(),), None, False)
         mine = next(ranks for ranks in lists if dist.get_rank() in ranks)
@@ -193,6 +210,46 @@ def group_blocks(domain: Domain) -> list[Block]:
     ]
 
 
+class CommunicatorBudget(NamedTuple):
+    """DCP communicator figures of one rank of a DP×CP domain (``communicator_budget``)."""
+
+    joined: int  # groups of size >= 2 holding the rank: the communicators it holds
+    new_group_calls: int  # new_group calls on the rank with members-only creation (= joined)
+    blocks: int  # groups of size >= 2 in the domain: calls per rank per domain when all create all
+
+
+def communicator_budget(
+    domain_size: int, min_cp_size: int, position: Optional[int] = None
+) -> CommunicatorBudget:
+    """Communicators a rank of a DP×CP domain of N = ``domain_size`` ranks joins; calls it makes.
+
+    Sizes S = {m, 2m, 4m, ... ≤ N} ∪ {N} with m = ``min_cp_size`` (a power of two ≤ N); size 1
+    needs no communicator. The aligned blocks of size s are [k·s, (k+1)·s) for (k+1)·s ≤ N, and the
+    whole domain. ``joined`` counts the sizes s ≥ 2 whose block holding ``position`` exists:
+
+    - ``position`` None: the maximum over positions (position 0 lies in a block of every size),
+      ``⌊log2(N/m)⌋ + 1 + [N is not a power of two] − [m = 1]``; N = 4,096, m = 1: 12.
+    - a position p: sizes s ≥ 2 with s = N or (⌊p/s⌋ + 1)·s ≤ N (fewer near the end of a domain
+      whose N is not a power of two: positions 4, 5 of N = 6 have no block of 4).
+
+    ``new_group_calls`` = ``joined``: members-only creation calls ``new_group`` once per joined
+    group (one fewer per group reused from megatron, e.g. its DP×CP and static CP groups).
+    ``blocks`` = Σ over sizes s ≥ 2 below N of ⌊N/s⌋, plus 1 for the whole domain; for N a power
+    of two, N − 1 when m ≤ 2 and 2N/m − 1 otherwise: the ``new_group`` calls every rank makes
+    per domain of the job when every rank creates every group (torch's default).
+    """
+    if min_cp_size < 1 or min_cp_size & (min_cp_size - 1) or min_cp_size > domain_size:
+        raise ValueError(f"min_cp_size={min_cp_size} is not a power of two in [1, {domain_size}]")
+    powers = {min_cp_size << k for k in range((domain_size // min_cp_size).bit_length())}
+    sizes = [s for s in powers | {domain_size} if s >= 2]
+    position = 0 if position is None else position
+    if not 0 <= position < domain_size:
+        raise ValueError(f"position {position} is outside a domain of {domain_size}")
+    joined = sum(1 for s in sizes if s == domain_size or (position // s + 1) * s <= domain_size)
+    blocks = sum(domain_size // s if s < domain_size else 1 for s in sizes)
+    return CommunicatorBudget(joined=joined, new_group_calls=joined, blocks=blocks)
+
+
 def domain_rank_lists_from(group: Optional[ProcessGroup]) -> list[list[int]]:
     """Every DP×CP rank list of the job, learnt from each rank's ``group`` (e.g. megatron's DP×CP
     group): an int all-gather over the world, deduplicated, sorted. Collective over the world."""
@@ -244,17 +301,57 @@ def _offered_groups(reuse: Mapping[RankTuple, ProcessGroup]) -> dict[RankTuple, 
 
 
 def _agree_on_reuse(
-    candidates: Sequence[RankTuple], offered: Mapping[RankTuple, ProcessGroup]
-) -> set[RankTuple]:
-    """Candidates every member offers a group for: one all-reduce of offer counts over the world.
+    candidates: Sequence[RankTuple],
+    offered: Mapping[RankTuple, ProcessGroup],
+    backend: Optional[str],
+) -> tuple[set[RankTuple], bool]:
+    """Candidates every member offers a group for, and whether members-only creation is safe: one
+    all-reduce over the world of the offer counts and of every rank's ``_local_sync_token``.
 
-    Non-members cannot see a rank's ``reuse`` mapping, yet must skip ``new_group`` for a reused
-    block exactly when its members do; counting the offers makes the choice global.
+    Non-members cannot see a rank's ``reuse`` mapping, yet the old path makes them skip
+    ``new_group`` for a reused block exactly when its members do; counting the offers makes the
+    choice global, and so is the choice of path (every rank sees every token).
     """
-    counts = torch.tensor([int(c in offered) for c in candidates], dtype=torch.int64)
-    if len(candidates):
-        dist.all_reduce(counts)
-    return {c for c, n in zip(candidates, counts.tolist()) if n == len(c)}
+    world = dist.get_world_size()
+    vector = torch.zeros(len(candidates) + world, dtype=torch.int64)
+    vector[: len(candidates)] = torch.tensor([int(c in offered) for c in candidates])
+    mine = [c for c in candidates if dist.get_rank() in c]
+    vector[len(candidates) + dist.get_rank()] = _local_sync_token(backend, mine)
+    dist.all_reduce(vector)
+    counts, tokens = vector[: len(candidates)].tolist(), vector[len(candidates) :].tolist()
+    reused = {c for c, n in zip(candidates, counts) if n == len(c)}
+    members_only = all(
+        tokens[c[0]] > 0 and all(tokens[r] == tokens[c[0]] for r in c)
+        for c in candidates
+        if c not in reused
+    )
+    if not members_only and dist.get_rank() == 0:
+        _LOG.warning(
+            "DCP groups: every rank creates every group (%d calls per rank): members-only "
+            "creation needs an unbound default group and equal group counts within each block",
+            len(candidates) - len(reused),
+        )
+    return reused, members_only
+
+
+def _groups_held() -> Optional[int]:
+    """Process groups this rank holds (torch's registry), None where torch has no such registry."""
+    names = getattr(getattr(_c10d, "_world", None), "pg_names", None)
+    return None if names is None else len(names)
+
+
+def _local_sync_token(backend: Optional[str], mine: Sequence[RankTuple]) -> int:
+    """1 + the number of process groups this rank holds (torch names a members-only group after
+    its ranks and that number), or 0 when this rank cannot create its blocks ``mine`` members-only:
+    a default group bound to a device (new_group then splits its communicator, with every rank),
+    MPI, a torch without the registry this relies on, or a name this process used before."""
+    held = _groups_held()
+    bound = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+    mpi = "mpi" in str(backend or dist.get_backend()).lower()
+    if held is None or bound or mpi or getattr(_c10d, "_use_torchcomms_enabled", bool)():
+        return 0
+    names = [(ranks, n) for ranks in mine for n in range(held, held + len(mine))]
+    return 0 if any(name in _MEMBERS_ONLY_MADE for name in names) else held + 1
 
 
 def _check_offer(key: RankTuple, group: ProcessGroup) -> None:
@@ -271,16 +368,28 @@ def _build_entries(
     reused: set[RankTuple],
     reuse: Mapping[RankTuple, ProcessGroup],
     backend: Optional[str],
+    members_only: bool,
 ) -> dict[int, _Entry]:
-    """Create (or reuse) every candidate's group in order; keep the ones this rank belongs to."""
+    """Create (or reuse) the groups; keep this rank's. Members only: the blocks holding this rank,
+    largest first, then by start (module docstring: why); else every candidate in order."""
     rank = dist.get_rank()
+    if members_only:
+        candidates = sorted((c for c in candidates if rank in c), key=lambda c: (-len(c), c[0]))
     entries: dict[int, _Entry] = {}
     for ranks in candidates:
         if ranks in reused:
             group, created = (reuse.get(ranks), False)
         else:
+            if members_only:
+                _MEMBERS_ONLY_MADE.add((ranks, _groups_held() or 0))
             desc = f"DCP_CP_{len(ranks)}_{ranks[0]}"
-            group, created = dist.new_group(list(ranks), backend=backend, group_desc=desc), True
+            group = dist.new_group(
+                list(ranks),
+                backend=backend,
+                group_desc=desc,
+                use_local_synchronization=members_only,
+            )
+            created = True
         if rank in ranks:
             assert len(ranks) not in entries, "a rank is in one block per size"
             entries[len(ranks)] = _Entry(ranks, group, created)
