@@ -43,18 +43,28 @@ def grow_groups(ctx: Context, groups: Row) -> None:
     """Fill the free ranks of a power-of-two domain by doubling groups, each time the one whose
     doubling leaves the lowest peak (ties: the least added total cost), then lay the groups out
     again on aligned blocks, largest first (positions do not change costs). A free rank count
-    is always a multiple of the smallest group size, so the doubling ends with no rank free."""
+    is always a multiple of the smallest group size, so the doubling ends with no rank free.
+    Each doubling costs O(G) for G groups: only the doubled group's loads are recomputed."""
     free = ctx.domain.size - sum(group.size for group in groups)
-    sizes = {id(group): group.size for group in groups}
+    sizes = [group.size for group in groups]
+    loads = [group.load for group in groups]
+    doubled = [doubled_load(ctx, group, size) for group, size in zip(groups, sizes)]
     while free > 0:
-        loads = {id(g): grown_load(ctx, g, sizes[id(g)]) for g in groups}
+        top = max(range(len(groups)), key=loads.__getitem__)
+        second = max((load for i, load in enumerate(loads) if i != top), default=0.0)
         best = min(
-            (g for g in groups if sizes[id(g)] <= free),
-            key=lambda g: growth_key(groups, g, sizes, loads),
+            (i for i in range(len(groups)) if sizes[i] <= free),
+            key=lambda i: (
+                max(second if i == top else loads[top], doubled[i]),
+                doubled[i] * 2 * sizes[i] - loads[i] * sizes[i],
+                groups[i].block.start,
+            ),
         )
-        free -= sizes[id(best)]
-        sizes[id(best)] *= 2
-    layout(ctx, groups, sizes)
+        free -= sizes[best]
+        sizes[best] *= 2
+        loads[best] = doubled[best]
+        doubled[best] = doubled_load(ctx, groups[best], sizes[best])
+    layout(ctx, groups, dict(zip(map(id, groups), sizes)))
 
 
 def layout(ctx: Context, groups: Row, sizes: dict) -> None:
@@ -71,18 +81,14 @@ def layout(ctx: Context, groups: Row, sizes: dict) -> None:
     groups[:] = laid
 
 
+def doubled_load(ctx: Context, group: GroupDraft, size: int) -> float:
+    """Load of ``group``'s samples on twice ``size`` ranks (infinite past the domain)."""
+    return grown_load(ctx, group, 2 * size) if 2 * size <= ctx.domain.size else float("inf")
+
+
 def grown_load(ctx: Context, group: GroupDraft, size: int) -> float:
     """Load of ``group``'s samples on ``size`` ranks (ring steps included)."""
     return sum(ctx.load(item.seqlen, size) for item in group.items) + ctx.rings[size]
-
-
-def growth_key(groups: Row, group: GroupDraft, sizes: dict, loads: dict) -> tuple:
-    """(peak after doubling ``group``, total cost it adds, block start) for :func:`grow_groups`."""
-    size = sizes[id(group)]
-    doubled = loads[id(group)]
-    others = max((loads[id(g)] for g in groups if g is not group), default=0.0)
-    added = doubled * 2 * size - loads[id(group)] * size
-    return (max(others, doubled), added, group.block.start)
 
 
 def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:
