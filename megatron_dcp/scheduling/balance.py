@@ -13,9 +13,11 @@ def lpt_partition(
     num_bins: int,
     capacity: int,
     weight: Callable[[Item], float],
+    ordered: bool = False,
 ) -> Optional[List[List[Item]]]:
     """Longest-processing-time partition of ``items`` into ``num_bins`` bins of at most
-    ``capacity`` tokens each: heaviest item first, into the least-loaded bin that has room.
+    ``capacity`` tokens each: heaviest item first, into the least-loaded bin that has room
+    (``ordered``: ``items`` are already by decreasing weight, then id).
 
     Returns None when an item fits in no bin. Ties break on the number of items, then the bin
     index (deterministic, and weightless items still spread over the bins).
@@ -23,7 +25,7 @@ def lpt_partition(
     bins: List[List[Item]] = [[] for _ in range(num_bins)]
     tokens = [0] * num_bins
     heap = [(0.0, 0, index) for index in range(num_bins)]
-    for item in sorted(items, key=lambda it: (-weight(it), it.sample_id)):
+    for item in items if ordered else sorted(items, key=lambda it: (-weight(it), it.sample_id)):
         skipped = []
         while heap and tokens[heap[0][2]] + item.seqlen > capacity:
             skipped.append(heapq.heappop(heap))

@@ -41,28 +41,38 @@ class BuddyAllocator:
         self.domain = domain
         self.free: List[Block] = [domain.root()]
         self._table = _reach_table(domain)
+        # In a power-of-two domain every block halves down to every group size below it.
+        self._halves = is_power_of_two(domain.size)
 
     def allocate(self, size: int) -> Optional[Block]:
         """Take a free block of exactly ``size`` positions (the lowest), splitting the smallest
-        larger block that can yield one if needed; None when none can."""
+        larger block that can yield one (the lowest of them) if needed; None when none can."""
+        free = self.free
         while True:
-            exact = [b for b in self.free if b.size == size]
-            if exact:
-                block = min(exact, key=lambda b: b.start)
-                self.free.remove(block)
-                return block
-            larger = [b for b in self.free if b.size > size and self._reaches(b, size)]
-            if not larger:
+            exact = larger = -1  # indices into ``free``
+            for index, block in enumerate(free):
+                if block.size == size:
+                    if exact < 0 or block.start < free[exact].start:
+                        exact = index
+                elif block.size > size and (
+                    larger < 0
+                    or (block.size, block.start) < (free[larger].size, free[larger].start)
+                ):
+                    if self._reaches(block, size):
+                        larger = index
+            if exact >= 0:
+                return free.pop(exact)
+            if larger < 0:
                 return None
-            splittable = min(larger, key=lambda b: (b.size, b.start))
-            self.free.remove(splittable)
-            self.free.extend(_children(self.domain, splittable))
+            free.extend(_children(self.domain, free.pop(larger)))
 
     def can_allocate(self, size: int) -> bool:
         """True when a block of ``size`` ranks can be taken (directly or by splitting)."""
         return any(b.size >= size and self._reaches(b, size) for b in self.free)
 
     def _reaches(self, block: Block, size: int) -> bool:
+        if self._halves:
+            return block.size >= size
         return _reaches(self.domain, block, size, self._table)
 
 

@@ -80,7 +80,8 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
 
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         ctx = Context(self.domain, self.cost_model)
-        items = [Item(i, seqlen, self.domain.cp_degree(seqlen)) for i, seqlen in enumerate(seqlens)]
+        degree = {length: self.domain.cp_degree(length) for length in set(seqlens)}
+        items = [Item(i, seqlen, degree[seqlen]) for i, seqlen in enumerate(seqlens)]
         vpp = self.microbatch_group_size_per_vp_stage
         plans = candidate_plans(ctx, items, vpp)
         nodes = self.cost_model.nodes
@@ -159,8 +160,11 @@ def plan_rows(
     leftovers carried to the next. Last, the lightest micro-batches are dissolved into the
     others where that pays (``row_dissolving``; counts VPP would split again are undone)."""
     rows: List[Row] = []
-    while pool and (all_heavy or is_heavy(ctx, pool)):
-        row, pool = next_hdp_group(ctx, pool)
+    while pool:
+        floor = fill_level(ctx, pool)
+        if not (all_heavy or is_heavy(ctx, pool, floor)):
+            break
+        row, pool = next_hdp_group(ctx, pool, floor)
         rows.append(row)
     carry: List[Item] = []
     for bucket in equalize_buckets(ctx, pool, extra_buckets):
@@ -195,11 +199,10 @@ def packed_rows(ctx: Context, pool: List[Item], vpp: Optional[int] = None) -> Li
     return rows
 
 
-def is_heavy(ctx: Context, pool: Sequence[Item]) -> bool:
+def is_heavy(ctx: Context, pool: Sequence[Item], floor: float) -> bool:
     """True when a sample of ``pool`` can match the pool's fill level only on a CP group so large
     that its total cost grows by more than ``HEAVY_WASTE``: it needs a micro-batch of its own
-    (higher) level instead."""
-    floor = fill_level(ctx, pool)
+    (higher) level instead; ``floor`` is the pool's :func:`fill_level`."""
     alone, limit = ctx.alone, HEAVY * floor
     return any(
         alone(item.seqlen, item.min_cp) > limit and promotion_waste(ctx, item, floor) > HEAVY_WASTE
@@ -220,13 +223,13 @@ def promotion_waste(ctx: Context, item: Item, level: float) -> float:
 
 
 def equalize_buckets(ctx: Context, pool: Sequence[Item], extra: int = 0) -> List[List[Item]]:
-    """Step 2b, bucket equalization: LPT of ``pool`` into the fewest buckets of N × budget tokens
-    its tokens need (more when LPT cannot fit them), plus ``extra``, equal least work each;
-    empties dropped."""
+    """Step 2b, bucket equalization: LPT of ``pool`` (heaviest first, as :func:`heaviest_first`
+    orders it) into the fewest buckets of N × budget tokens its tokens need (more when LPT
+    cannot fit them), plus ``extra``, equal least work each; empties dropped."""
     capacity = ctx.domain.size * ctx.domain.budget
     count = max(1, -(-sum(item.seqlen for item in pool) // capacity)) + extra
-    buckets = lpt_partition(pool, count, capacity, ctx.min_work)
+    buckets = lpt_partition(pool, count, capacity, ctx.min_work, ordered=True)
     while buckets is None:
         count += 1
-        buckets = lpt_partition(pool, count, capacity, ctx.min_work)
+        buckets = lpt_partition(pool, count, capacity, ctx.min_work, ordered=True)
     return [bucket for bucket in buckets if bucket]

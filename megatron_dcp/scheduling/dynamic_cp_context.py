@@ -29,15 +29,29 @@ class CostTable(dict):
         return value
 
 
+class WorkTable(dict):
+    """Least total cost of a length-L sample (at its minimum CP size, which L determines) keyed
+    by L, computed on first use."""
+
+    def __init__(self, domain: Domain, per_rank: CostTable) -> None:
+        super().__init__()
+        self.domain, self.per_rank = domain, per_rank
+
+    def __missing__(self, seqlen: int) -> float:
+        size = self.domain.cp_degree(seqlen)
+        value = self[seqlen] = self.per_rank[seqlen, size] * size
+        return value
+
+
 class Context:
     """What every step needs: the domain, the cost model, and memoised costs: ``per_rank[(L,
-    c)]`` and ``work[L]`` (least total work of a length-L sample, filled by :meth:`min_work`)."""
+    c)]`` and ``work[L]`` (least total work of a length-L sample)."""
 
     def __init__(self, domain: Domain, cost: CostModel) -> None:
         self.domain, self.cost = domain, cost
         self.per_rank = CostTable(cost)
         self.rings = {size: cost.ring_cost(size) for size in domain.group_sizes}
-        self.work: Dict[int, float] = {}
+        self.work = WorkTable(domain, self.per_rank)
         self._sizes: Dict[int, Tuple[int, ...]] = {}
         self._openable: Dict[int, bool] = {}
 
@@ -56,17 +70,7 @@ class Context:
 
     def min_work(self, item: Item) -> float:
         """Least total cost of ``item``: at its minimum CP size (which its length determines)."""
-        value = self.work.get(item.seqlen)
-        if value is None:
-            value = self.work[item.seqlen] = self.per_rank[item.seqlen, item.min_cp] * item.min_cp
-        return value
-
-    def works(self, items: Sequence[Item]) -> Dict[int, float]:
-        """``work``, filled for ``items`` (so hot loops may index it by length)."""
-        for item in items:
-            if item.seqlen not in self.work:
-                self.min_work(item)
-        return self.work
+        return self.work[item.seqlen]
 
     def sizes_from(self, min_cp: int) -> Tuple[int, ...]:
         """The CP group sizes ≥ ``min_cp``, ascending."""

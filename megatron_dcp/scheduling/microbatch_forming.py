@@ -28,15 +28,24 @@ LAST_SLACK = 0.02
 
 
 def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
-    """Step 1: samples by decreasing least total work, then length, then id (deterministic)."""
-    work = ctx.works(items)
-    return sorted(items, key=lambda it: (-work[it.seqlen], -it.seqlen, it.sample_id))
+    """Step 1: samples by decreasing least total work, then id (deterministic). The least total
+    work grows strictly with the length (the minimum CP size never falls as the length grows,
+    and a sequence's total cost never falls as its CP size grows), so the order is that of
+    decreasing length."""
+    return sorted(items, key=_longest_first)
 
 
-def next_hdp_group(ctx: Context, pool: Sequence[Item]) -> Tuple[Row, List[Item]]:
-    """Step 3: form one micro-batch from ``pool`` (heaviest first; non-empty). Returns its groups,
-    which partition the domain with no idle rank, and the samples left for later micro-batches."""
-    floor = fill_level(ctx, pool)
+def _longest_first(item: Item) -> Tuple[int, int]:
+    return (-item.seqlen, item.sample_id)
+
+
+def next_hdp_group(
+    ctx: Context, pool: Sequence[Item], floor: Optional[float] = None
+) -> Tuple[Row, List[Item]]:
+    """Step 3: form one micro-batch from ``pool`` (heaviest first; non-empty; ``floor`` its
+    :func:`fill_level` when known). Returns its groups, which partition the domain with no idle
+    rank, and the samples left for later micro-batches."""
+    floor = fill_level(ctx, pool) if floor is None else floor
     last = sum(item.seqlen for item in pool) <= ctx.domain.size * ctx.domain.budget
     best: Optional[Tuple[float, Row, List[Item]]] = None
     for size in trial_sizes(ctx, pool[0], floor):
@@ -99,10 +108,12 @@ def extra_microbatch_cost(ctx: Context, items: Sequence[Item]) -> float:
 def fill_level(ctx: Context, pool: Sequence[Item]) -> float:
     """The mean per-rank cost of a micro-batch if ``pool`` filled the fewest micro-batches its
     tokens need: the level every micro-batch fills up to (a heavier opening sample raises it)."""
-    tokens = sum(item.seqlen for item in pool)
+    tokens, total, work = 0, 0.0, ctx.work
+    for item in pool:
+        tokens += item.seqlen
+        total += work[item.seqlen]
     count = max(1, -(-tokens // (ctx.domain.size * ctx.domain.budget)))
-    work = ctx.works(pool)
-    return sum(work[item.seqlen] for item in pool) / (ctx.domain.size * count)
+    return total / (ctx.domain.size * count)
 
 
 def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
@@ -127,6 +138,6 @@ def efficiency(ctx: Context, row: Row) -> float:
     peak = max(group.load for group in row)
     if peak <= 0:
         return 1.0
-    work = ctx.work  # filled: every sample was ordered by heaviest_first or min_work first
-    useful = sum(work.get(item.seqlen) or ctx.min_work(item) for g in row for item in g.items)
+    work = ctx.work
+    useful = sum(work[item.seqlen] for g in row for item in g.items)
     return useful / (ctx.domain.size * peak)

@@ -72,7 +72,7 @@ def test_equalize_buckets_partitions_with_equal_work():
     ctx = context(n=4, budget=1000)
     lengths = [3000, 2500, 40, 40, 900, 1200, 17, 600, 600, 2000, 10, 1]
     items = items_of(ctx, lengths)
-    buckets = equalize_buckets(ctx, items)
+    buckets = equalize_buckets(ctx, heaviest_first(ctx, items))
     assert len(buckets) == 3 and all(buckets)  # ⌈10 908 tokens / 4000⌉
     assert sorted(i.sample_id for b in buckets for i in b) == list(range(len(items)))
     assert all(sum(i.seqlen for i in b) <= 4 * 1000 for b in buckets)
@@ -149,11 +149,16 @@ def test_promotion_waste_and_is_heavy():
     assert promotion_waste(ctx, item, load) == 0.0
     expected = ctx.alone(100, 2) * 2 / load - 1  # the ring steps count: the group holds it alone
     assert promotion_waste(ctx, item, ctx.alone(100, 2)) == pytest.approx(expected)
-    assert not is_heavy(ctx, items_of(ctx, [100] * 8))
+
+    def heavy(ctx, lengths):
+        pool = items_of(ctx, lengths)
+        return is_heavy(ctx, pool, fill_level(ctx, pool))
+
+    assert not heavy(ctx, [100] * 8)
     attention = context(n=8, budget=100, cost=CostModel.attention_only())
-    assert not is_heavy(attention, items_of(attention, [800] + [1] * 8))  # CP is free there
+    assert not heavy(attention, [800] + [1] * 8)  # CP is free there
     comm = context(n=8, budget=100, cost=CostModel(linear=1.0, quadratic=0.0, comm=1.0))
-    assert is_heavy(comm, items_of(comm, [100] + [1] * 100))
+    assert heavy(comm, [100] + [1] * 100)
 
 
 def test_fill_empty_ranks_takes_samples_from_groups_that_hold_several():
