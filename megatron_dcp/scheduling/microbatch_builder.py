@@ -11,8 +11,11 @@ from megatron_dcp.scheduling.buddy import BuddyAllocator
 from megatron_dcp.scheduling.draft import GroupDraft, Item
 from megatron_dcp.scheduling.dynamic_cp_context import EPS, Context, Row
 
-# A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free).
+# A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free)
+# per FAIL_SPAN ranks of the domain (at least FAIL_LIMIT): a domain k times larger draws k times
+# more samples of each kind, so the same share of misfits makes runs of misses k times longer.
 FAIL_LIMIT = 48
+FAIL_SPAN = 64
 # Groups skipped per CP size when the least-loaded ones lack token room for a sample.
 SKIP_LIMIT = 8
 
@@ -25,6 +28,7 @@ class MicroBatchBuilder:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        self.fail_limit = FAIL_LIMIT * max(1, ctx.domain.size // FAIL_SPAN)
         self.free = BuddyAllocator(ctx.domain)
         self.groups: Row = []
         self.heaps: Dict[int, List[HeapEntry]] = {}
@@ -51,7 +55,7 @@ class MicroBatchBuilder:
 
     def _pass(self, pool: Sequence[Item], order: range, taken: List[bool]) -> int:
         """Try the samples of ``pool`` in ``order``; returns the first index not tried (a pass
-        ends after ``FAIL_LIMIT`` consecutive misses once no rank is free)."""
+        ends after ``fail_limit`` consecutive misses once no rank is free)."""
         misses = 0
         for index in order:
             if taken[index]:
@@ -60,7 +64,7 @@ class MicroBatchBuilder:
                 taken[index], misses = True, 0
             elif not self.free.free:
                 misses += 1
-                if misses >= FAIL_LIMIT:
+                if misses >= self.fail_limit:
                     return index + 1
         return order.stop if order.step > 0 else len(pool)
 

@@ -1,6 +1,7 @@
 """``megatron-dcp benchmark``: the target matrix (the reference workloads at each per-rank
 budget and VPP group size, under each cost model: our scheduler beside Megatron dev's greedy
-scheduler and megatron-core 0.19.2's), then the plan time of every scheduler at N=64 and N=1024.
+scheduler and megatron-core 0.19.2's), then the plan time, plan quality and peak planning memory
+of the schedulers at N = 64, 1024, 4096 and 16384 (16 sequences per rank).
 
 A workload's layout (dp × cp) is its own; its batch holds 8 × N × budget tokens, and lengths
 are capped at N × budget, the longest sequence the domain holds at that budget.
@@ -29,6 +30,7 @@ from megatron_dcp.tools.compare import (
     render_table,
     run_scheduler,
 )
+from megatron_dcp.tools.plan_memory import schedule_peak_mib
 from megatron_dcp.tools.simulate import add_cost_profile_arg, add_ranks_per_node_arg
 from megatron_dcp.tools.topology_table import format_tier_table, tier_row
 from megatron_dcp.tools.workloads import (
@@ -50,9 +52,16 @@ TIE = 1e-9
 # The dev peer is our re-implementation of upstream's algorithm, written for clarity, not speed:
 # its plan time says nothing about upstream's, so the plan-time table leaves it out.
 TIMED_SCHEDULERS = (OURS, "dp_balanced", PEER_ALIAS)
-# (dp, cp, sequences) of the plan-time runs; the last one is skipped by --quick.
-TIMING_LAYOUTS = ((16, 4, 1024), (256, 4, 16384))
+# (dp, cp, sequences) of the plan-time runs, 16 sequences per rank; --quick keeps the first,
+# --max-timing-n drops those of a larger domain.
+TIMING_LAYOUTS = ((16, 4, 1024), (256, 4, 16384), (1024, 4, 65536), (4096, 4, 262144))
 TIMING_REPEATS = 3
+# From this domain size on one plan takes tens of seconds: one timed run instead of a median.
+SINGLE_RUN_N = 16384
+# The 0.19.2 peer is timed up to this domain size only: its plan time grows about quadratically
+# with N (~15 s per plan at N = 1024 on 2 cores, minutes at N = 4096).
+PEER_MAX_TIMING_N = 1024
+DEFAULT_MAX_TIMING_N = 16384
 
 
 def matrix_lengths(workload: Workload, budget: int, seed: int) -> List[int]:
@@ -154,7 +163,9 @@ def format_matrix(label: str, table: Sequence[Comparison]) -> str:
 
 @dataclass(frozen=True)
 class Timing:
-    """Median plan time of one scheduler at one domain size (or why it has none)."""
+    """One scheduler at one domain size: median plan time of ``repeats`` runs, the plan's
+    critical path / lower bound and micro-batches, and the peak memory of one untimed traced
+    run (all None when it has no plan, with the reason in ``note``)."""
 
     domain_size: int
     layout: str
@@ -163,6 +174,10 @@ class Timing:
     scheduler: str
     median_ms: Optional[float]
     note: str = ""
+    repeats: int = TIMING_REPEATS
+    ratio: Optional[float] = None
+    num_microbatches: Optional[int] = None
+    peak_mib: Optional[float] = None
 
 
 def timing_lengths(count: int, dp: int, cp: int, seed: int) -> Tuple[List[int], int]:
@@ -173,33 +188,72 @@ def timing_lengths(count: int, dp: int, cp: int, seed: int) -> Tuple[List[int], 
     return lengths, max(budget, math.ceil(max(lengths) / cp))
 
 
-def time_scheduler(name: str, lengths: List[int], spec: DomainSpec, cost: CostModel) -> Timing:
-    """Median of :data:`TIMING_REPEATS` plan times (the first failure makes it n/a)."""
+def time_scheduler(
+    name: str,
+    lengths: List[int],
+    spec: DomainSpec,
+    cost: CostModel,
+    repeats: int = TIMING_REPEATS,
+) -> Timing:
+    """Median of ``repeats`` plan times (the first failure makes it n/a), then the peak memory
+    of one more run under tracemalloc, which is never timed (it slows Python down)."""
     n = spec.dp_size * spec.cp_size
-    desc = f"dp {spec.dp_size} × cp {spec.cp_size}"
-    results = [run_scheduler(name, lengths, spec, cost) for _ in range(TIMING_REPEATS)]
+    fixed = (n, f"dp {spec.dp_size} × cp {spec.cp_size}", len(lengths), spec.budget)
+    results = [run_scheduler(name, lengths, spec, cost) for _ in range(repeats)]
     failed = [result for result in results if result.report is None]
     scheduler = results[0].scheduler
     if failed:
-        return Timing(n, desc, len(lengths), spec.budget, scheduler, None, failed[0].note)
+        return Timing(*fixed, scheduler, None, failed[0].note, repeats)
     median = statistics.median(result.report.plan_time_s * 1e3 for result in results)
-    return Timing(n, desc, len(lengths), spec.budget, scheduler, median)
+    first = results[0].report
+    peak = schedule_peak_mib(name, lengths, spec, cost)
+    return Timing(*fixed, scheduler, median, "", repeats, first.ratio, first.num_microbatches, peak)
+
+
+def timing_layouts(args: argparse.Namespace) -> List[Tuple[int, int, int]]:
+    """The plan-time layouts the flags keep: the first with --quick, none above --max-timing-n."""
+    layouts = TIMING_LAYOUTS[:1] if args.quick else TIMING_LAYOUTS
+    return [(dp, cp, count) for dp, cp, count in layouts if dp * cp <= args.max_timing_n]
+
+
+def timed_schedulers(domain_size: int) -> Tuple[str, ...]:
+    """The schedulers timed at this domain size (the 0.19.2 peer up to PEER_MAX_TIMING_N)."""
+    if domain_size <= PEER_MAX_TIMING_N:
+        return TIMED_SCHEDULERS
+    return tuple(name for name in TIMED_SCHEDULERS if name != PEER_ALIAS)
 
 
 def benchmark_timings(args: argparse.Namespace) -> List[Timing]:
-    """Plan time at N=64 (and N=1024 unless --quick), median of 3 runs."""
+    """Plan time (median of 3 runs, 1 from N = SINGLE_RUN_N on), CP/LB, micro-batches and peak
+    memory of each timed scheduler at each kept layout."""
     cost = build_cost_model("model")
     timings = []
-    for dp, cp, count in TIMING_LAYOUTS[:1] if args.quick else TIMING_LAYOUTS:
+    for dp, cp, count in timing_layouts(args):
         lengths, budget = timing_lengths(count, dp, cp, args.seed)
-        for name in TIMED_SCHEDULERS:
-            timings.append(time_scheduler(name, lengths, DomainSpec(dp, cp, budget), cost))
+        spec, repeats = DomainSpec(dp, cp, budget), 1 if dp * cp >= SINGLE_RUN_N else TIMING_REPEATS
+        for name in timed_schedulers(dp * cp):
+            timings.append(time_scheduler(name, lengths, spec, cost, repeats))
     return timings
 
 
+def optional(value: Optional[float], spec: str) -> str:
+    """``value`` formatted, or n/a."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def format_timings(timings: Sequence[Timing]) -> str:
-    """The plan-time table."""
-    header = ("N", "layout", "sequences", "budget", "scheduler", "plan ms (median of 3)")
+    """The plan-time table, with a note line for the runs it leaves out."""
+    header = (
+        "N",
+        "layout",
+        "sequences",
+        "budget",
+        "scheduler",
+        "plan ms",
+        "CP/LB",
+        "mb",
+        "peak MiB",
+    )
     rows = [
         (
             str(t.domain_size),
@@ -208,11 +262,27 @@ def format_timings(timings: Sequence[Timing]) -> str:
             str(t.budget),
             t.scheduler,
             f"{t.median_ms:.1f}" if t.median_ms is not None else f"n/a ({t.note})",
+            optional(t.ratio, ".3f"),
+            optional(t.num_microbatches, "d"),
+            optional(t.peak_mib, ".2f"),
         )
         for t in timings
     ]
-    title = "== plan time: workload-1 lengths; budget ≈ tokens / (8 × N), ≥ max length / cp"
-    return title + "\n" + render_table(header, rows, "rlrrlr")
+    single = sorted({t.domain_size for t in timings if t.repeats == 1})
+    runs = f" (1 run at N = {', '.join(map(str, single))})" if single else ""
+    lines = [
+        "== plan time: workload-1 lengths; budget ≈ tokens / (8 × N), ≥ max length / cp",
+        f"   plan ms: median of {TIMING_REPEATS} runs{runs}; CP/LB: critical path / lower bound "
+        "('model' cost);",
+        "   mb: micro-batches; peak MiB: tracemalloc's peak in schedule(), a separate untimed run",
+        render_table(header, rows, "rlrrlrrrr"),
+    ]
+    if PEER_ALIAS in TIMED_SCHEDULERS and any(t.domain_size > PEER_MAX_TIMING_N for t in timings):
+        lines.append(
+            f"note: megatron-0.19.2 BalancedCPScheduler is timed up to N = {PEER_MAX_TIMING_N} "
+            "only: its plan time grows about quadratically with N (minutes per plan at N = 4096)"
+        )
+    return "\n".join(lines)
 
 
 def cmd_benchmark(args: argparse.Namespace) -> int:
@@ -262,7 +332,15 @@ def add_benchmark(sub: Any) -> None:
     )
     add_ranks_per_node_arg(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="skip the N=1024 plan-time run")
+    p.add_argument("--quick", action="store_true", help="plan-time runs at N=64 only")
+    p.add_argument(
+        "--max-timing-n",
+        type=positive_int,
+        default=DEFAULT_MAX_TIMING_N,
+        metavar="N",
+        help="plan-time runs up to this domain size (of 64 1024 4096 16384; default "
+        f"{DEFAULT_MAX_TIMING_N}; the N=16384 row takes about a minute on 2 cores)",
+    )
     p.add_argument("--no-timing", action="store_true", help="skip the plan-time runs")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_benchmark)

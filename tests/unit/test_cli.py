@@ -153,6 +153,62 @@ def test_benchmark_restricted(monkeypatch, capsys):
     assert "uniform b4096 vpp1" in out and "uniform b4096 vpp2" in out and "b2048" not in out
     assert "ours/dev: mean" in out and "ours ≤ 1.05 × LB in" in out
     assert "== plan time" in out and "dp 2 × cp 2" in out and "dp 4 × cp 2" not in out
+    header = out.split("== plan time")[1].splitlines()[3]
+    assert header.split("scheduler")[1].split() == ["plan", "ms", "CP/LB", "mb", "peak", "MiB"]
+    row = next(line for line in out.splitlines() if "dp 2 × cp 2" in line and "default_dyn" in line)
+    ratio, microbatches, peak = row.split()[-3:]
+    assert float(ratio) >= 1 - 1e-9 and int(microbatches) >= 1 and float(peak) >= 0
+
+
+def small_timing_layouts(monkeypatch):
+    """Four tiny plan-time layouts (N = 4, 8, 16, 32); the peer only at N = 4, one run from 16."""
+    layouts = ((2, 2, 40), (4, 2, 80), (8, 2, 160), (16, 2, 320))
+    monkeypatch.setattr(benchmark, "TIMING_LAYOUTS", layouts)
+    monkeypatch.setattr(benchmark, "PEER_MAX_TIMING_N", 4)
+    monkeypatch.setattr(benchmark, "SINGLE_RUN_N", 16)
+    monkeypatch.setattr(benchmark, "benchmark_comparisons", lambda args: [])
+
+
+def test_benchmark_timing_rows_and_max_timing_n(monkeypatch, capsys):
+    small_timing_layouts(monkeypatch)
+    code, out, _ = run(capsys, ["benchmark", "--max-timing-n", "16"])
+    assert code == 0 and "(1 run at N = 16)" in out and "dp 16 × cp 2" not in out
+    rows = [line.split() for line in out.splitlines() if "× cp 2" in line]
+    assert [(r[0], r[8]) for r in rows] == [
+        ("4", "default_dynamic_cp"),
+        ("4", "dp_balanced"),
+        ("4", "megatron-0.19.2"),
+        ("8", "default_dynamic_cp"),
+        ("8", "dp_balanced"),
+        ("16", "default_dynamic_cp"),
+        ("16", "dp_balanced"),
+    ]
+    assert "note: megatron-0.19.2 BalancedCPScheduler is timed up to N = 4 only" in out
+    code, out, _ = run(capsys, ["benchmark", "--max-timing-n", "4"])
+    assert code == 0 and "dp 4 × cp 2" not in out and "note:" not in out and "1 run" not in out
+
+
+def test_benchmark_timing_json(monkeypatch, capsys):
+    small_timing_layouts(monkeypatch)
+    code, out, _ = run(capsys, ["benchmark", "--max-timing-n", "16", "--json"])
+    rows = json.loads(out)["plan_time"]
+    assert code == 0 and [r["domain_size"] for r in rows] == [4, 4, 4, 8, 8, 16, 16]
+    assert [r["repeats"] for r in rows] == [3] * 5 + [1] * 2
+    for r in rows:
+        assert r["median_ms"] > 0 and r["ratio"] >= 1 - 1e-9 and r["num_microbatches"] >= 1
+        assert r["peak_mib"] > 0
+
+
+def test_peak_memory_is_the_schedule_calls():
+    from megatron_dcp.tools import plan_memory
+
+    spec = compare.DomainSpec(2, 2, 512)
+    cost = build_cost_model("model")
+    small = plan_memory.schedule_peak_mib("default_dynamic_cp", [300] * 8, spec, cost)
+    large = plan_memory.schedule_peak_mib("default_dynamic_cp", [300] * 800, spec, cost)
+    assert 0 < small < large
+    assert plan_memory.schedule_peak_mib("dp_balanced", [5000], spec, cost) is None
+    assert plan_memory.traced_peak_bytes(lambda: bytearray(4 << 20)) >= 4 << 20
 
 
 def test_ranks_per_node_counts_the_groups_that_cross_nodes(capsys):
