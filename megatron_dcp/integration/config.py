@@ -23,13 +23,14 @@ from megatron_dcp.integration.cost_models import (
     model_shape_from_args,
     model_shape_of,
 )
-from megatron_dcp.integration.nodes import RANKS_PER_NODE_FLAG, node_layout, ranks_per_node
+from megatron_dcp.integration.nodes import RANKS_PER_NODE_FLAG, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import is_power_of_two
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES
+from megatron_dcp.scheduling.topology import node_layout
 
 DCP_FLAG = "--dynamic-context-parallel"
 MIN_CP_FLAG = "--min-dynamic-context-parallel-size"

@@ -38,8 +38,8 @@ def build_forward_backward(
     check_model_config(model_config)
     config = config.with_model(model_config)
     domain_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    groups = groups or create_dcp_groups(config.min_cp_size)
     check_ranks_per_node(config.ranks_per_node, dist.get_world_size())
+    groups = groups or create_dcp_groups(config.min_cp_size)
     return DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
         config=config,

@@ -1,15 +1,13 @@
 """The node layout of a training job: how many ranks each node runs (``--dcp-ranks-per-node``,
-else the launcher's environment) and the :class:`NodeLayout` of a DP×CP domain that prices the
-CP groups crossing a node boundary at the hardware profile's inter-node tier."""
+else the launcher's environment), checked, and the log line of the :class:`NodeLayout` that prices
+the CP groups crossing a node boundary (``scheduling.topology.node_layout`` builds it)."""
 
 from __future__ import annotations
 
 import os
 from typing import Mapping, Optional, Sequence
 
-from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.hardware import hardware_profile
-from megatron_dcp.scheduling.topology import NodeLayout, contiguous_nodes
+from megatron_dcp.scheduling.topology import NodeLayout
 
 RANKS_PER_NODE_FLAG = "--dcp-ranks-per-node"
 # Where launchers say how many ranks a node runs: torchrun, then SLURM (``srun`` sets a plain
@@ -43,18 +41,6 @@ def check_ranks_per_node(value: Optional[int], world_size: int) -> None:
             f"{RANKS_PER_NODE_FLAG}={value}: the world size {world_size} is not a multiple of it; "
             "give the number of ranks every node runs."
         )
-
-
-def node_layout(
-    domain: Domain, domain_ranks: Sequence[int], per_node: Optional[int], hardware: str
-) -> Optional[NodeLayout]:
-    """The layout of ``domain`` whose position ``p`` is global rank ``domain_ranks[p]``, with
-    ranks ``[k·R, (k+1)·R)`` on node ``k`` (torchrun and block-distributed ``srun``), priced by
-    the profile called ``hardware``; None without ``per_node``."""
-    if per_node is None:
-        return None
-    nodes = contiguous_nodes(domain_ranks, per_node)
-    return NodeLayout.of_positions(domain, nodes, hardware_profile(hardware))
 
 
 def describe_layout(layout: Optional[NodeLayout]) -> str:

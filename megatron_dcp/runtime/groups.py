@@ -201,13 +201,7 @@ class DCPGroups:
 
 def group_blocks(domain: Domain) -> list[Block]:
     """Blocks with a communicator (size ≥ 2), by size then start: the scheduling layer's set."""
-    return [
-        Block(start, size)
-        for size in domain.group_sizes
-        if size > 1
-        for start in range(0, domain.size - size + 1, size)
-        if domain.is_group_block(Block(start, size))
-    ]
+    return [block for size in domain.group_sizes if size > 1 for block in domain.blocks(size)]
 
 
 class CommunicatorBudget(NamedTuple):

@@ -113,6 +113,11 @@ class Domain:
             and block.stop <= self.size
         )
 
+    def blocks(self, size: int) -> Tuple[Block, ...]:
+        """The blocks of ``size`` positions that have a CP group, by start."""
+        candidates = (Block(start, size) for start in range(0, self.size - size + 1, size))
+        return tuple(block for block in candidates if self.is_group_block(block))
+
     def cp_degree(self, seqlen: int) -> int:
         """Smallest group size ≥ ``min_cp_size`` whose per-rank share of ``seqlen`` fits the budget."""
         index = bisect_left(self.group_sizes, -(-seqlen // self.budget))

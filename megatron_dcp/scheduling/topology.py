@@ -14,10 +14,10 @@ size crosses as soon as one of its blocks does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
-from megatron_dcp.scheduling.domain import Block, Domain
-from megatron_dcp.scheduling.hardware import HardwareProfile
+from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.hardware import HardwareProfile, hardware_profile
 from megatron_dcp.scheduling.plan import Plan
 
 
@@ -67,12 +67,22 @@ def intra_node_size(domain: Domain, position_nodes: Sequence[int]) -> int:
         )
     inside = 1
     for size in domain.group_sizes:
-        blocks = [Block(start, size) for start in range(0, domain.size - size + 1, size)]
-        blocks = [block for block in blocks if domain.is_group_block(block)]
-        if any(len({position_nodes[p] for p in block.positions}) > 1 for block in blocks):
+        if any(len({position_nodes[p] for p in b.positions}) > 1 for b in domain.blocks(size)):
             break
         inside = size
     return inside
+
+
+def node_layout(
+    domain: Domain, domain_ranks: Sequence[int], ranks_per_node: Optional[int], hardware: str
+) -> Optional[NodeLayout]:
+    """The layout of ``domain`` whose position ``p`` is global rank ``domain_ranks[p]``, with
+    ranks ``[k·R, (k+1)·R)`` on node ``k`` (:func:`contiguous_nodes`), priced by the hardware
+    profile called ``hardware``; None without ``ranks_per_node`` (one node, one link tier)."""
+    if ranks_per_node is None:
+        return None
+    nodes = contiguous_nodes(domain_ranks, ranks_per_node)
+    return NodeLayout.of_positions(domain, nodes, hardware_profile(hardware))
 
 
 def contiguous_nodes(domain_ranks: Sequence[int], ranks_per_node: int) -> list:

@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling import CostModel, Scheduler, build_cost_model, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE, hardware_profile
-from megatron_dcp.scheduling.topology import NodeLayout, contiguous_nodes
+from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE
+from megatron_dcp.scheduling.topology import NodeLayout, node_layout
 from megatron_dcp.tools.cli import error_message
 from megatron_dcp.tools.plot import Panel, plan_panel
 from megatron_dcp.tools.simulator import Report, report, timed_schedule
@@ -43,11 +43,8 @@ class DomainSpec:
     def node_layout(self) -> Optional[NodeLayout]:
         """The domain's node layout priced with the GPU profile's two link tiers (None without
         ``ranks_per_node``)."""
-        if self.ranks_per_node is None:
-            return None
         domain = self.domain()
-        nodes = contiguous_nodes(range(domain.size), self.ranks_per_node)
-        return NodeLayout.of_positions(domain, nodes, hardware_profile(DEFAULT_GPU_PROFILE))
+        return node_layout(domain, range(domain.size), self.ranks_per_node, DEFAULT_GPU_PROFILE)
 
     def priced(self, cost: CostModel) -> CostModel:
         """``cost`` over this domain's node layout (unchanged without ``ranks_per_node``)."""

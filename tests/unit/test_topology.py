@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dcp.integration.nodes import check_ranks_per_node, node_layout, ranks_per_node
+from megatron_dcp.integration.nodes import check_ranks_per_node, ranks_per_node
 from megatron_dcp.scheduling import CostModel, Domain, build_scheduler
 from megatron_dcp.scheduling.cost_fit import (
     OnlineRefinement,
@@ -23,6 +23,7 @@ from megatron_dcp.scheduling.topology import (
     contiguous_nodes,
     crossing_groups,
     intra_node_size,
+    node_layout,
 )
 from megatron_dcp.tools.compare import DomainSpec
 
