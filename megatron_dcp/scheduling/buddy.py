@@ -47,6 +47,8 @@ class BuddyAllocator:
     def allocate(self, size: int) -> Optional[Block]:
         """Take a free block of exactly ``size`` positions (the lowest), splitting the smallest
         larger block that can yield one (the lowest of them) if needed; None when none can."""
+        if self._halves:
+            return self._allocate_halving(size)
         free = self.free
         while True:
             exact = larger = -1  # indices into ``free``
@@ -66,8 +68,29 @@ class BuddyAllocator:
                 return None
             free.extend(_children(self.domain, free.pop(larger)))
 
+    def _allocate_halving(self, size: int) -> Optional[Block]:
+        """:meth:`allocate` in a power-of-two domain: the smallest free block of at least
+        ``size`` ranks (the lowest of them), halved down to ``size``, upper halves left free."""
+        free, best, best_key = self.free, -1, (0, 0)
+        for index, block in enumerate(free):
+            if block.size >= size and (best < 0 or (block.size, block.start) < best_key):
+                best, best_key = index, (block.size, block.start)
+        if best < 0:
+            return None
+        block = free.pop(best)
+        while block.size > size:
+            half = block.size // 2
+            free.append(Block(block.start + half, half))
+            block = Block(block.start, half)
+        return block
+
     def can_allocate(self, size: int) -> bool:
         """True when a block of ``size`` ranks can be taken (directly or by splitting)."""
+        if self._halves:
+            for block in self.free:
+                if block.size >= size:
+                    return True
+            return False
         return any(b.size >= size and self._reaches(b, size) for b in self.free)
 
     def _reaches(self, block: Block, size: int) -> bool:

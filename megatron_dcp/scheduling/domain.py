@@ -161,6 +161,16 @@ class Domain:
 
     def check_seqlens(self, seqlens: Iterable[int]) -> Tuple[int, ...]:
         """Validate user lengths: non-negative ints that fit the domain. Returns them as a tuple."""
+        lengths = tuple(seqlens)
+        if set(map(type, lengths)) <= {int} and (
+            not lengths or 0 <= min(lengths) and max(lengths) <= self.max_tokens_per_sequence
+        ):
+            return lengths  # plain ints in range (the common case, checked at C speed)
+        return self._check_each(lengths)
+
+    def _check_each(self, seqlens: Tuple) -> Tuple[int, ...]:
+        """:meth:`check_seqlens` one length at a time: converts integer types, names the first
+        bad length."""
         lengths = []
         for sample_id, seqlen in enumerate(seqlens):
             try:

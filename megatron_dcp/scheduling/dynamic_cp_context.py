@@ -17,15 +17,16 @@ EPS = 1e-9
 Row = List[GroupDraft]
 
 
-class CostTable(dict):
-    """Per-rank costs keyed by (length, CP size), computed on first use (the hot path)."""
+class SizeCosts(dict):
+    """Per-rank costs on CP groups of one size keyed by length, computed on first use (the hot
+    path: one table per size, looked up by an int)."""
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, size: int) -> None:
         super().__init__()
-        self.cost = cost
+        self.cost, self.size = cost, size
 
-    def __missing__(self, key: Tuple[int, int]) -> float:
-        value = self[key] = self.cost.per_rank(*key)
+    def __missing__(self, seqlen: int) -> float:
+        value = self[seqlen] = self.cost.per_rank(seqlen, self.size)
         return value
 
 
@@ -33,36 +34,36 @@ class WorkTable(dict):
     """Least total cost of a length-L sample (at its minimum CP size, which L determines) keyed
     by L, computed on first use."""
 
-    def __init__(self, domain: Domain, per_rank: CostTable) -> None:
+    def __init__(self, domain: Domain, per_size: Dict[int, SizeCosts]) -> None:
         super().__init__()
-        self.domain, self.per_rank = domain, per_rank
+        self.domain, self.per_size = domain, per_size
 
     def __missing__(self, seqlen: int) -> float:
         size = self.domain.cp_degree(seqlen)
-        value = self[seqlen] = self.per_rank[seqlen, size] * size
+        value = self[seqlen] = self.per_size[size][seqlen] * size
         return value
 
 
 class Context:
-    """What every step needs: the domain, the cost model, and memoised costs: ``per_rank[(L,
-    c)]`` and ``work[L]`` (least total work of a length-L sample)."""
+    """What every step needs: the domain, the cost model, and memoised costs: ``per_size[c][L]``
+    (per-rank cost of a length-L sample on c ranks) and ``work[L]`` (its least total work)."""
 
     def __init__(self, domain: Domain, cost: CostModel) -> None:
         self.domain, self.cost = domain, cost
-        self.per_rank = CostTable(cost)
+        self.per_size = {size: SizeCosts(cost, size) for size in domain.group_sizes}
         self.rings = {size: cost.ring_cost(size) for size in domain.group_sizes}
-        self.work = WorkTable(domain, self.per_rank)
+        self.work = WorkTable(domain, self.per_size)
         self._sizes: Dict[int, Tuple[int, ...]] = {}
         self._openable: Dict[int, bool] = {}
 
     def load(self, seqlen: int, size: int) -> float:
         """Per-rank cost a sequence of ``seqlen`` tokens adds to a group of ``size`` ranks."""
-        return self.per_rank[seqlen, size]
+        return self.per_size[size][seqlen]
 
     def alone(self, seqlen: int, size: int) -> float:
         """Per-rank cost of a group of ``size`` ranks holding only this sequence (ring steps
         included)."""
-        return self.per_rank[seqlen, size] + self.rings[size]
+        return self.per_size[size][seqlen] + self.rings[size]
 
     def group(self, block: Block) -> GroupDraft:
         """An empty group over ``block``."""

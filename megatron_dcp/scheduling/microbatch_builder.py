@@ -8,7 +8,7 @@ import heapq
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator
-from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.draft import SEQLEN, GroupDraft, Item
 from megatron_dcp.scheduling.dynamic_cp_context import EPS, Context, Row
 
 # A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free)
@@ -20,6 +20,8 @@ FAIL_SPAN = 64
 SKIP_LIMIT = 8
 
 HeapEntry = Tuple[float, int, GroupDraft]
+# The groups of one CP size: (size, their heap, the tokens a group holds, per-rank costs by length).
+Lane = Tuple[int, List[HeapEntry], int, Dict[int, float]]
 
 
 class MicroBatchBuilder:
@@ -32,9 +34,12 @@ class MicroBatchBuilder:
         self.free = BuddyAllocator(ctx.domain)
         self.groups: Row = []
         self.heaps: Dict[int, List[HeapEntry]] = {}
-        self.sizes: List[int] = []  # the keys of ``heaps``, ascending
+        self.lanes: List[Lane] = []  # one per key of ``heaps``, by ascending size
         self.level = 0.0
         self.shortest = 0  # the shortest sample still to place: groups with less room are full
+        # The shortest sample that missed since a full group last left its heap (see ``_pass``).
+        self.misfit = float("inf")
+        self.dropped = 0  # groups too full for any sample that left their heap
         # Placements (group, sample, load, fresh) recorded for :meth:`undo` when not None.
         self.journal: Optional[List[Tuple[GroupDraft, Item, float, bool]]] = None
 
@@ -48,19 +53,31 @@ class MicroBatchBuilder:
         """Place what fits of ``pool`` (heaviest first), then top up lightest first; returns the
         samples not placed, in pool order."""
         taken = [False] * len(pool)
-        self.shortest = min((item.seqlen for item in pool), default=0)
+        self.shortest = min(map(SEQLEN, pool), default=0)
+        self.misfit = float("inf")
         resume = self._pass(pool, range(len(pool)), taken)
         self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
         return [item for item, was_taken in zip(pool, taken) if not was_taken]
 
     def _pass(self, pool: Sequence[Item], order: range, taken: List[bool]) -> int:
         """Try the samples of ``pool`` in ``order``; returns the first index not tried (a pass
-        ends after ``fail_limit`` consecutive misses once no rank is free)."""
+        ends after ``fail_limit`` consecutive misses once no rank is free).
+
+        Placing only ever raises loads and takes free ranks, and a longer sample costs more and
+        needs at least as many ranks, so a sample at least as long as one that missed misses too
+        (``misfit``) and counts as a miss untried, with the same plan as trying it. Only a full
+        group leaving its heap lets :meth:`_join` look further, so that forgets ``misfit``."""
         misses = 0
         for index in order:
             if taken[index]:
                 continue
-            if self.place(pool[index]):
+            item, dropped = pool[index], self.dropped
+            placed = item.seqlen < self.misfit and self.place(item)
+            if self.dropped != dropped:
+                self.misfit = float("inf")
+            elif not placed:
+                self.misfit = min(self.misfit, item.seqlen)
+            if placed:
                 taken[index], misses = True, 0
             elif not self.free.free:
                 misses += 1
@@ -109,50 +126,56 @@ class MicroBatchBuilder:
     def _place_fresh(self, item: Item) -> bool:
         if not self.free.free or (item.seqlen == 0 and self.groups):
             return False  # an empty sample alone would leave its ranks without work
-        alone = self.ctx.alone
+        alone, seqlen, level, free = self.ctx.alone, item.seqlen, self.level, self.free
         for size in self.ctx.sizes_from(item.min_cp):
-            if alone(item.seqlen, size) <= self.level and self.free.can_allocate(size):
+            if alone(seqlen, size) <= level and free.can_allocate(size):
                 self._add_group(item, size)
                 return True
         return False
 
     def _join(self, item: Item) -> bool:
         """Add ``item`` to the group where its resulting load is least and within the level."""
-        best_total, best_size = self.level, 0
-        skipped: List[Tuple[int, HeapEntry]] = []
-        seqlen, budget, per_rank = item.seqlen, self.ctx.domain.budget, self.ctx.per_rank
-        for size in self.sizes:
-            heap = self.heaps[size]
-            if size < item.min_cp or not heap:
+        best_total, best = self.level, None
+        skipped: List[Tuple[List[HeapEntry], int, HeapEntry]] = []
+        seqlen, min_cp = item.seqlen, item.min_cp
+        for lane in self.lanes:
+            size, heap, capacity, costs = lane
+            if size < min_cp or not heap:
                 continue
-            if heap[0][2].tokens > size * budget - seqlen:
-                self._skip_full(heap, size, seqlen, skipped)
-                if not heap or heap[0][2].tokens > size * budget - seqlen:
+            if heap[0][2].tokens > capacity - seqlen:
+                self._skip_full(heap, capacity, capacity - seqlen, skipped)
+                if not heap or heap[0][2].tokens > capacity - seqlen:
                     continue
-            total = heap[0][0] + per_rank[seqlen, size]
-            if total < best_total or (total == best_total and not best_size):
-                best_total, best_size = total, size
-        if best_size:
-            heap = self.heaps[best_size]
-            group = heapq.heappop(heap)[2]
-            group.push(item, per_rank[seqlen, best_size])
-            heapq.heappush(heap, (group.load, group.block.start, group))
+            total = heap[0][0] + costs[seqlen]
+            if total < best_total or (total == best_total and best is None):
+                best_total, best = total, lane
+        if best is not None:
+            heap, load = best[1], best[3][seqlen]
+            group = heap[0][2]
+            group.push(item, load)
+            heapq.heapreplace(heap, (group.load, group.block.start, group))
             if self.journal is not None:
-                self.journal.append((group, item, per_rank[seqlen, best_size], False))
-        for size, entry in skipped:  # groups too full for any sample of the pool leave the heap
-            if size * budget - entry[2].tokens >= self.shortest:
-                heapq.heappush(self.heaps[size], entry)
-        return bool(best_size)
+                self.journal.append((group, item, load, False))
+        for heap, capacity, entry in skipped:  # groups too full for any sample leave the heap
+            if capacity - entry[2].tokens >= self.shortest:
+                heapq.heappush(heap, entry)
+            else:
+                self.dropped += 1
+        return best is not None
 
+    @staticmethod
     def _skip_full(
-        self, heap: List[HeapEntry], size: int, seqlen: int, skipped: List[Tuple[int, HeapEntry]]
+        heap: List[HeapEntry],
+        capacity: int,
+        limit: int,
+        skipped: List[Tuple[List[HeapEntry], int, HeapEntry]],
     ) -> None:
-        """Pop (into ``skipped``) up to ``SKIP_LIMIT`` least-loaded groups without token room."""
-        limit = size * self.ctx.domain.budget - seqlen
+        """Pop (into ``skipped``) up to ``SKIP_LIMIT`` least-loaded groups holding more than
+        ``limit`` tokens (no room for the sample)."""
         for _ in range(SKIP_LIMIT):
             if not heap or heap[0][2].tokens <= limit:
                 return
-            skipped.append((size, heapq.heappop(heap)))
+            skipped.append((heap, capacity, heapq.heappop(heap)))
 
     def _add_group(self, item: Item, size: int) -> None:
         block = self.free.allocate(size)
@@ -164,5 +187,6 @@ class MicroBatchBuilder:
             self.journal.append((group, item, group.load, True))
         if size not in self.heaps:
             self.heaps[size] = []
-            self.sizes = sorted(self.heaps)
+            lane = (size, self.heaps[size], size * self.ctx.domain.budget, self.ctx.per_size[size])
+            self.lanes = sorted(self.lanes + [lane], key=lambda lane: lane[0])
         heapq.heappush(self.heaps[size], (group.load, block.start, group))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.draft import Item
+from megatron_dcp.scheduling.draft import SEQLEN, Item, longest_first
 from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
@@ -32,11 +32,7 @@ def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
     work grows strictly with the length (the minimum CP size never falls as the length grows,
     and a sequence's total cost never falls as its CP size grows), so the order is that of
     decreasing length."""
-    return sorted(items, key=_longest_first)
-
-
-def _longest_first(item: Item) -> Tuple[int, int]:
-    return (-item.seqlen, item.sample_id)
+    return longest_first(list(items))
 
 
 def next_hdp_group(
@@ -108,10 +104,8 @@ def extra_microbatch_cost(ctx: Context, items: Sequence[Item]) -> float:
 def fill_level(ctx: Context, pool: Sequence[Item]) -> float:
     """The mean per-rank cost of a micro-batch if ``pool`` filled the fewest micro-batches its
     tokens need: the level every micro-batch fills up to (a heavier opening sample raises it)."""
-    tokens, total, work = 0, 0.0, ctx.work
-    for item in pool:
-        tokens += item.seqlen
-        total += work[item.seqlen]
+    tokens = sum(map(SEQLEN, pool))
+    total = sum(map(ctx.work.__getitem__, map(SEQLEN, pool)))
     count = max(1, -(-tokens // (ctx.domain.size * ctx.domain.budget)))
     return total / (ctx.domain.size * count)
 

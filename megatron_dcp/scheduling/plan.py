@@ -78,8 +78,10 @@ class Plan:
         return self
 
     def _check_coverage(self) -> None:
-        seen = Counter(i for mb in self.microbatches for i in mb.sample_ids)
-        expected = Counter(range(len(self.seqlens)))
+        ids = [i for mb in self.microbatches for group in mb.groups for i in group.sample_ids]
+        if sorted(ids) == list(range(len(self.seqlens))):
+            return
+        seen, expected = Counter(ids), Counter(range(len(self.seqlens)))
         if seen != expected:
             missing = sorted(expected - seen)[:5]
             extra = sorted(seen - expected)[:5]
@@ -91,20 +93,25 @@ class Plan:
         covered = sorted(r for g in microbatch.groups for r in g.ranks)
         if covered != list(range(self.domain.size)):
             raise InvalidPlanError(f"micro-batch {index}: groups do not partition the domain")
+        seqlens, budget = self.seqlens, self.domain.budget
         for group in microbatch.groups:
-            self._check_group(index, group)
+            ranks, ids = group.ranks, group.sample_ids
+            block = Block(ranks[0], len(ranks))
+            if ranks != block.positions or not self.domain.is_group_block(block):
+                raise self._group_error(index, group, "not an aligned block with a CP group")
+            if not ids:
+                raise self._group_error(index, group, "ranks are idle (no samples)")
+            if sum(map(seqlens.__getitem__, ids)) > budget * len(ranks):
+                tokens = group.tokens_per_rank(seqlens)
+                raise self._group_error(
+                    index, group, f"{tokens:.1f} tokens per rank exceed the budget {budget}"
+                )
 
-    def _check_group(self, index: int, group: CPGroup) -> None:
-        where = f"micro-batch {index}, group {group.ranks[0]}..{group.ranks[-1]}"
-        if group.ranks != group.block.positions or not self.domain.is_group_block(group.block):
-            raise InvalidPlanError(f"{where}: not an aligned block with a CP group")
-        if not group.sample_ids:
-            raise InvalidPlanError(f"{where}: ranks are idle (no samples)")
-        if group.tokens_per_rank(self.seqlens) > self.domain.budget:
-            raise InvalidPlanError(
-                f"{where}: {group.tokens_per_rank(self.seqlens):.1f} tokens per rank exceed the "
-                f"budget {self.domain.budget}"
-            )
+    @staticmethod
+    def _group_error(index: int, group: CPGroup, what: str) -> InvalidPlanError:
+        return InvalidPlanError(
+            f"micro-batch {index}, group {group.ranks[0]}..{group.ranks[-1]}: {what}"
+        )
 
     def _check_vpp_alignment(self) -> None:
         k = self.microbatch_group_size_per_vp_stage
