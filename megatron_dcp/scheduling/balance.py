@@ -25,19 +25,33 @@ def lpt_partition(
     bins: List[List[Item]] = [[] for _ in range(num_bins)]
     tokens = [0] * num_bins
     heap = [(0.0, 0, index) for index in range(num_bins)]
-    for item in items if ordered else sorted(items, key=lambda it: (-weight(it), it.sample_id)):
-        skipped = []
-        while heap and tokens[heap[0][2]] + item.seqlen > capacity:
-            skipped.append(heapq.heappop(heap))
-        if not heap:
-            return None
-        load, count, index = heapq.heappop(heap)
+    order = items if ordered else sorted(items, key=lambda it: (-weight(it), it.sample_id))
+    for item, item_weight in zip(order, map(weight, order)):
+        seqlen = item.seqlen
+        if heap and tokens[heap[0][2]] + seqlen <= capacity:  # the least-loaded bin has room
+            load, count, index = heap[0]
+            heapq.heapreplace(heap, (load + item_weight, count + 1, index))
+        else:
+            entry = _pop_with_room(heap, tokens, seqlen, capacity)
+            if entry is None:
+                return None
+            load, count, index = entry
+            heapq.heappush(heap, (load + item_weight, count + 1, index))
         bins[index].append(item)
-        tokens[index] += item.seqlen
-        heapq.heappush(heap, (load + weight(item), count + 1, index))
-        for entry in skipped:
-            heapq.heappush(heap, entry)
+        tokens[index] += seqlen
     return bins
+
+
+def _pop_with_room(heap: list, tokens: List[int], seqlen: int, capacity: int) -> Optional[tuple]:
+    """Pop the least-loaded bin with room for ``seqlen`` tokens off ``heap`` (the fuller ones
+    stay); None when no bin has room."""
+    skipped = []
+    while heap and tokens[heap[0][2]] + seqlen > capacity:
+        skipped.append(heapq.heappop(heap))
+    entry = heapq.heappop(heap) if heap else None
+    for skipped_entry in skipped:
+        heapq.heappush(heap, skipped_entry)
+    return entry
 
 
 def align_microbatch_count(count: int, group_size: Optional[int]) -> int:

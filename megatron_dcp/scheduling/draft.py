@@ -19,6 +19,10 @@ class Item(NamedTuple):
     min_cp: int
 
 
+SEQLEN = attrgetter("seqlen")
+SAMPLE_ID = attrgetter("sample_id")
+
+
 @dataclass(eq=False, slots=True)
 class GroupDraft:
     """A CP group being filled: its block, its samples, per-rank load (ring steps included once
@@ -66,8 +70,8 @@ class GroupDraft:
             self.load, self.tokens = 0.0, 0
 
     def freeze(self) -> CPGroup:
-        ids = tuple(item.sample_id for item in self.items)
-        return CPGroup(self.block.positions, ids)
+        start, size = self.block
+        return CPGroup(tuple(range(start, start + size)), tuple(map(SAMPLE_ID, self.items)))
 
 
 def group_of_items(block: Block, items: Sequence[Item], cost: CostModel) -> GroupDraft:
@@ -81,7 +85,8 @@ def freeze_microbatch(groups: Sequence[GroupDraft]) -> MicroBatch:
     """Freeze a micro-batch; groups ordered by position, samples longest first (deterministic)."""
     frozen = []
     for group in sorted(groups, key=lambda g: g.block.start):
-        longest_first(group.items)
+        if len(group.items) > 1:
+            longest_first(group.items)
         frozen.append(group.freeze())
     return MicroBatch(tuple(frozen))
 
@@ -92,7 +97,3 @@ def longest_first(items: List[Item]) -> List[Item]:
     items.sort(key=SAMPLE_ID)
     items.sort(key=SEQLEN, reverse=True)
     return items
-
-
-SEQLEN = attrgetter("seqlen")
-SAMPLE_ID = attrgetter("sample_id")

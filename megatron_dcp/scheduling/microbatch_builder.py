@@ -75,8 +75,8 @@ class MicroBatchBuilder:
             placed = item.seqlen < self.misfit and self.place(item)
             if self.dropped != dropped:
                 self.misfit = float("inf")
-            elif not placed:
-                self.misfit = min(self.misfit, item.seqlen)
+            elif not placed and item.seqlen < self.misfit:
+                self.misfit = item.seqlen
             if placed:
                 taken[index], misses = True, 0
             elif not self.free.free:

@@ -11,6 +11,7 @@ fits under the level, or joins the least-loaded group where it fits (placing wit
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import SEQLEN, Item, longest_first
@@ -42,7 +43,7 @@ def next_hdp_group(
     :func:`fill_level` when known). Returns its groups, which partition the domain with no idle
     rank, and the samples left for later micro-batches."""
     floor = fill_level(ctx, pool) if floor is None else floor
-    last = sum(item.seqlen for item in pool) <= ctx.domain.size * ctx.domain.budget
+    last = sum(map(SEQLEN, pool)) <= ctx.domain.size * ctx.domain.budget
     best: Optional[Tuple[float, Row, List[Item]]] = None
     for size in trial_sizes(ctx, pool[0], floor):
         groups, leftovers = build_trial(ctx, pool, size, floor, last)
@@ -132,6 +133,6 @@ def efficiency(ctx: Context, row: Row) -> float:
     peak = max(group.load for group in row)
     if peak <= 0:
         return 1.0
-    work = ctx.work
-    useful = sum(work[item.seqlen] for g in row for item in g.items)
+    items = chain.from_iterable(group.items for group in row)
+    useful = sum(map(ctx.work.__getitem__, map(SEQLEN, items)))
     return useful / (ctx.domain.size * peak)
