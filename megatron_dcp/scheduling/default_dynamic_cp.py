@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.balance import lpt_partition
-from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
+from megatron_dcp.scheduling.draft import SEQLEN, Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
 from megatron_dcp.scheduling.metrics import fluid_lower_bound
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
@@ -204,9 +204,10 @@ def is_heavy(ctx: Context, pool: Sequence[Item], floor: float) -> bool:
     that its total cost grows by more than ``HEAVY_WASTE``: it needs a micro-batch of its own
     (higher) level instead; ``floor`` is the pool's :func:`fill_level`."""
     alone, limit = ctx.alone, HEAVY * floor
+    one_per_length = dict(zip(map(SEQLEN, pool), pool)).values()  # the length decides
     return any(
         alone(item.seqlen, item.min_cp) > limit and promotion_waste(ctx, item, floor) > HEAVY_WASTE
-        for item in pool
+        for item in one_per_length
     )
 
 

@@ -19,6 +19,8 @@ FAIL_SPAN = 64
 # Groups skipped per CP size when the least-loaded ones lack token room for a sample.
 SKIP_LIMIT = 8
 
+INF = float("inf")
+
 HeapEntry = Tuple[float, int, GroupDraft]
 # The groups of one CP size: (size, their heap, the tokens a group holds, per-rank costs by length).
 Lane = Tuple[int, List[HeapEntry], int, Dict[int, float]]
@@ -38,7 +40,7 @@ class MicroBatchBuilder:
         self.level = 0.0
         self.shortest = 0  # the shortest sample still to place: groups with less room are full
         # The shortest sample that missed since a full group last left its heap (see ``_pass``).
-        self.misfit = float("inf")
+        self.misfit = INF
         self.dropped = 0  # groups too full for any sample that left their heap
         # Placements (group, sample, load, fresh) recorded for :meth:`undo` when not None.
         self.journal: Optional[List[Tuple[GroupDraft, Item, float, bool]]] = None
@@ -54,7 +56,7 @@ class MicroBatchBuilder:
         samples not placed, in pool order."""
         taken = [False] * len(pool)
         self.shortest = min(map(SEQLEN, pool), default=0)
-        self.misfit = float("inf")
+        self.misfit = INF
         resume = self._pass(pool, range(len(pool)), taken)
         self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
         return [item for item, was_taken in zip(pool, taken) if not was_taken]
@@ -64,19 +66,20 @@ class MicroBatchBuilder:
         ends after ``fail_limit`` consecutive misses once no rank is free).
 
         Placing only ever raises loads and takes free ranks, and a longer sample costs more and
-        needs at least as many ranks, so a sample at least as long as one that missed misses too
-        (``misfit``) and counts as a miss untried, with the same plan as trying it. Only a full
+        needs at least as many ranks, so a sample at least as long as one known to miss misses
+        too (``misfit``, see :meth:`_misfit_after`) and counts as a miss untried. Only a full
         group leaving its heap lets :meth:`_join` look further, so that forgets ``misfit``."""
+        place = self._place_lowest if self.level == INF else self._place_under_level
         misses = 0
         for index in order:
             if taken[index]:
                 continue
             item, dropped = pool[index], self.dropped
-            placed = item.seqlen < self.misfit and self.place(item)
+            placed = item.seqlen < self.misfit and place(item)
             if self.dropped != dropped:
-                self.misfit = float("inf")
+                self.misfit = INF
             elif not placed and item.seqlen < self.misfit:
-                self.misfit = item.seqlen
+                self.misfit = self._misfit_after(item)
             if placed:
                 taken[index], misses = True, 0
             elif not self.free.free:
@@ -85,29 +88,55 @@ class MicroBatchBuilder:
                     return index + 1
         return order.stop if order.step > 0 else len(pool)
 
-    def place(self, item: Item) -> bool:
+    def _misfit_after(self, item: Item) -> int:
+        """The shortest length known to miss after ``item`` missed: its own, or, once no rank is
+        free under a level, one more than the longest any group could still take by its load
+        (:meth:`_longest_under_level`): a long run of misses then costs one search."""
+        if self.free.free or self.level == INF:
+            return item.seqlen
+        return min(item.seqlen, self._longest_under_level(item.seqlen) + 1)
+
+    def _longest_under_level(self, below: int) -> int:
+        """The longest length under ``below`` that the least-loaded group of some CP size could
+        take without passing the level (token room and minimum CP size ignored: a bound), or -1.
+        Costs grow with the length, so each size is a binary search."""
+        longest, level = -1, self.level
+        for _, heap, _, costs in self.lanes:
+            if not heap:
+                continue
+            load, low, high = heap[0][0], longest, below - 1
+            while low < high:
+                middle = (low + high + 1) // 2
+                if load + costs[middle] <= level:  # the test of :meth:`_join`, bit for bit
+                    low = middle
+                else:
+                    high = middle - 1
+            longest = low
+        return longest
+
+    def _place_under_level(self, item: Item) -> bool:
         """Put ``item`` on a fresh block of the smallest size whose cost fits under the level,
-        else on the least-loaded group where it fits; False when it fits nowhere. Without a
-        level (``level`` infinite), where its resulting load is least (:meth:`_place_lowest`)."""
-        if self.level == float("inf"):
-            return self._place_lowest(item)
-        return self._place_fresh(item) or self._join(item)
+        else on the least-loaded group where it fits; False when it fits nowhere."""
+        if self.free.free and self._place_fresh(item):
+            return True
+        return self._join(item)
 
     def _place_lowest(self, item: Item) -> bool:
-        """Put ``item`` where its resulting per-rank load is least: the cheapest fresh block of
-        any size ≥ its minimum, unless joining a group ends lower."""
+        """Without a level (``level`` infinite): put ``item`` where its resulting per-rank load is
+        least, the cheapest fresh block of any size ≥ its minimum unless joining a group ends
+        lower; False when it fits nowhere."""
         fresh: Optional[Tuple[float, int]] = None
         if self.free.free and (item.seqlen > 0 or not self.groups):
             for size in self.ctx.sizes_from(item.min_cp):
                 load = self.ctx.alone(item.seqlen, size)
                 if (fresh is None or load < fresh[0]) and self.free.can_allocate(size):
                     fresh = (load, size)
-        self.level = fresh[0] if fresh else float("inf")
+        self.level = fresh[0] if fresh else INF
         try:
             if self._join(item):
                 return True
         finally:
-            self.level = float("inf")
+            self.level = INF
         if fresh is None:
             return False
         self._add_group(item, fresh[1])
@@ -124,7 +153,7 @@ class MicroBatchBuilder:
         self.journal = None
 
     def _place_fresh(self, item: Item) -> bool:
-        if not self.free.free or (item.seqlen == 0 and self.groups):
+        if item.seqlen == 0 and self.groups:
             return False  # an empty sample alone would leave its ranks without work
         alone, seqlen, level, free = self.ctx.alone, item.seqlen, self.level, self.free
         for size in self.ctx.sizes_from(item.min_cp):

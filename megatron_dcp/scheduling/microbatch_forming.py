@@ -96,8 +96,10 @@ def absorb_leftovers(ctx: Context, builder: MicroBatchBuilder, leftovers: List[I
 def extra_microbatch_cost(ctx: Context, items: Sequence[Item]) -> float:
     """A lower bound of what a micro-batch holding ``items`` costs: its fixed cost plus the
     larger of their mean work per rank and the least per-rank cost of the heaviest alone (on
-    any CP size its ring steps included)."""
-    alone = max(min(ctx.alone(it.seqlen, s) for s in ctx.sizes_from(it.min_cp)) for it in items)
+    any CP size its ring steps included; the longest is the heaviest on every size, with the
+    fewest sizes to choose from)."""
+    longest = max(items, key=SEQLEN)
+    alone = min(ctx.alone(longest.seqlen, s) for s in ctx.sizes_from(longest.min_cp))
     mean = sum(map(ctx.min_work, items)) / ctx.domain.size
     return max(mean, alone) + ctx.cost.microbatch
 
