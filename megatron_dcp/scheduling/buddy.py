@@ -71,10 +71,14 @@ class BuddyAllocator:
     def _allocate_halving(self, size: int) -> Optional[Block]:
         """:meth:`allocate` in a power-of-two domain: the smallest free block of at least
         ``size`` ranks (the lowest of them), halved down to ``size``, upper halves left free."""
-        free, best, best_key = self.free, -1, (0, 0)
-        for index, block in enumerate(free):
-            if block.size >= size and (best < 0 or (block.size, block.start) < best_key):
-                best, best_key = index, (block.size, block.start)
+        free, best, best_start, best_size = self.free, -1, 0, 0
+        for index, (start, block_size) in enumerate(free):
+            if block_size >= size and (
+                best < 0
+                or block_size < best_size
+                or (block_size == best_size and start < best_start)
+            ):
+                best, best_start, best_size = index, start, block_size
         if best < 0:
             return None
         block = free.pop(best)

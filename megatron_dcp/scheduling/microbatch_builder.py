@@ -5,6 +5,8 @@ least-loaded group where they fit under the level (one heap of groups per CP siz
 from __future__ import annotations
 
 import heapq
+from itertools import compress
+from operator import not_
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator
@@ -42,6 +44,7 @@ class MicroBatchBuilder:
         # The shortest sample that missed since a full group last left its heap (see ``_pass``).
         self.misfit = INF
         self.dropped = 0  # groups too full for any sample that left their heap
+        self.short_of_tokens = False  # the last join found a CP size without token room
         # Placements (group, sample, load, fresh) recorded for :meth:`undo` when not None.
         self.journal: Optional[List[Tuple[GroupDraft, Item, float, bool]]] = None
 
@@ -59,7 +62,7 @@ class MicroBatchBuilder:
         self.misfit = INF
         resume = self._pass(pool, range(len(pool)), taken)
         self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
-        return [item for item, was_taken in zip(pool, taken) if not was_taken]
+        return list(compress(pool, map(not_, taken)))
 
     def _pass(self, pool: Sequence[Item], order: range, taken: List[bool]) -> int:
         """Try the samples of ``pool`` in ``order``; returns the first index not tried (a pass
@@ -90,9 +93,10 @@ class MicroBatchBuilder:
 
     def _misfit_after(self, item: Item) -> int:
         """The shortest length known to miss after ``item`` missed: its own, or, once no rank is
-        free under a level, one more than the longest any group could still take by its load
-        (:meth:`_longest_under_level`): a long run of misses then costs one search."""
-        if self.free.free or self.level == INF:
+        free under a level and the miss was for want of load room only, one more than the longest
+        any group could still take by its load (:meth:`_longest_under_level`): a long run of
+        misses then costs one search."""
+        if self.free.free or self.level == INF or self.short_of_tokens:
             return item.seqlen
         return min(item.seqlen, self._longest_under_level(item.seqlen) + 1)
 
@@ -164,7 +168,7 @@ class MicroBatchBuilder:
 
     def _join(self, item: Item) -> bool:
         """Add ``item`` to the group where its resulting load is least and within the level."""
-        best_total, best = self.level, None
+        best_total, best, self.short_of_tokens = self.level, None, False
         skipped: List[Tuple[List[HeapEntry], int, HeapEntry]] = []
         seqlen, min_cp = item.seqlen, item.min_cp
         for lane in self.lanes:
@@ -174,6 +178,7 @@ class MicroBatchBuilder:
             if heap[0][2].tokens > capacity - seqlen:
                 self._skip_full(heap, capacity, capacity - seqlen, skipped)
                 if not heap or heap[0][2].tokens > capacity - seqlen:
+                    self.short_of_tokens = True
                     continue
             total = heap[0][0] + costs[seqlen]
             if total < best_total or (total == best_total and best is None):
