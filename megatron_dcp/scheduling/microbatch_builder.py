@@ -55,10 +55,10 @@ class MicroBatchBuilder:
         self.level = max(self.groups[0].load, floor) * (1 + EPS)
 
     def fill_from(self, pool: Sequence[Item]) -> List[Item]:
-        """Place what fits of ``pool`` (heaviest first), then top up lightest first; returns the
-        samples not placed, in pool order."""
+        """Place what fits of ``pool`` (heaviest first: its last sample is the shortest), then top
+        up lightest first; returns the samples not placed, in pool order."""
         taken = [False] * len(pool)
-        self.shortest = min(map(SEQLEN, pool), default=0)
+        self.shortest = pool[-1].seqlen if pool else 0
         self.misfit = INF
         resume = self._pass(pool, range(len(pool)), taken)
         self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)

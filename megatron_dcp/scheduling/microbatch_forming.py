@@ -42,8 +42,9 @@ def next_hdp_group(
     """Step 3: form one micro-batch from ``pool`` (heaviest first; non-empty; ``floor`` its
     :func:`fill_level` when known). Returns its groups, which partition the domain with no idle
     rank, and the samples left for later micro-batches."""
-    floor = fill_level(ctx, pool) if floor is None else floor
-    last = sum(map(SEQLEN, pool)) <= ctx.domain.size * ctx.domain.budget
+    tokens = sum(map(SEQLEN, pool))
+    floor = fill_level(ctx, pool, tokens) if floor is None else floor
+    last = tokens <= ctx.domain.size * ctx.domain.budget
     best: Optional[Tuple[float, Row, List[Item]]] = None
     for size in trial_sizes(ctx, pool[0], floor):
         groups, leftovers = build_trial(ctx, pool, size, floor, last)
@@ -104,10 +105,11 @@ def extra_microbatch_cost(ctx: Context, items: Sequence[Item]) -> float:
     return max(mean, alone) + ctx.cost.microbatch
 
 
-def fill_level(ctx: Context, pool: Sequence[Item]) -> float:
-    """The mean per-rank cost of a micro-batch if ``pool`` filled the fewest micro-batches its
-    tokens need: the level every micro-batch fills up to (a heavier opening sample raises it)."""
-    tokens = sum(map(SEQLEN, pool))
+def fill_level(ctx: Context, pool: Sequence[Item], tokens: Optional[int] = None) -> float:
+    """The mean per-rank cost of a micro-batch if ``pool`` (of ``tokens`` tokens, when known)
+    filled the fewest micro-batches its tokens need: the level every micro-batch fills up to (a
+    heavier opening sample raises it)."""
+    tokens = sum(map(SEQLEN, pool)) if tokens is None else tokens
     total = sum(map(ctx.work.__getitem__, map(SEQLEN, pool)))
     count = max(1, -(-tokens // (ctx.domain.size * ctx.domain.budget)))
     return total / (ctx.domain.size * count)
