@@ -81,7 +81,7 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         ctx = Context(self.domain, self.cost_model)
         degree = {length: self.domain.cp_degree(length) for length in set(seqlens)}
-        items = [Item(i, seqlen, degree[seqlen]) for i, seqlen in enumerate(seqlens)]
+        items = list(map(Item, range(len(seqlens)), seqlens, map(degree.__getitem__, seqlens)))
         vpp = self.microbatch_group_size_per_vp_stage
         plans = candidate_plans(ctx, items, vpp)
         nodes = self.cost_model.nodes
@@ -200,15 +200,32 @@ def packed_rows(ctx: Context, pool: List[Item], vpp: Optional[int] = None) -> Li
 
 
 def is_heavy(ctx: Context, pool: Sequence[Item], floor: float) -> bool:
-    """True when a sample of ``pool`` can match the pool's fill level only on a CP group so large
-    that its total cost grows by more than ``HEAVY_WASTE``: it needs a micro-batch of its own
-    (higher) level instead; ``floor`` is the pool's :func:`fill_level`."""
+    """True when a sample of ``pool`` (heaviest first) can match the pool's fill level only on a
+    CP group so large that its total cost grows by more than ``HEAVY_WASTE``: it needs a
+    micro-batch of its own (higher) level instead; ``floor`` is the pool's :func:`fill_level`."""
     alone, limit = ctx.alone, HEAVY * floor
-    one_per_length = dict(zip(map(SEQLEN, pool), pool)).values()  # the length decides
+    candidates = pool[: count_costlier(ctx, pool, limit)]
+    one_per_length = dict(zip(map(SEQLEN, candidates), candidates)).values()  # the length decides
     return any(
         alone(item.seqlen, item.min_cp) > limit and promotion_waste(ctx, item, floor) > HEAVY_WASTE
         for item in one_per_length
     )
+
+
+def count_costlier(ctx: Context, pool: Sequence[Item], limit: float) -> int:
+    """How many samples at the head of ``pool`` (heaviest first) may cost more than ``limit``
+    alone on their minimum CP size: a binary search for the first whose cost alone on every
+    size up to its minimum is within ``limit``, a bound that never grows along the pool (a
+    shorter sample costs less on every size and has no larger minimum)."""
+    sizes, low, high = ctx.domain.group_sizes, 0, len(pool)
+    while low < high:
+        middle = (low + high) // 2
+        seqlen, min_cp = pool[middle].seqlen, pool[middle].min_cp
+        if max(ctx.alone(seqlen, size) for size in sizes if size <= min_cp) <= limit:
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def promotion_waste(ctx: Context, item: Item, level: float) -> float:

@@ -44,7 +44,10 @@ class MicroBatchBuilder:
         # The shortest sample that missed since a full group last left its heap (see ``_pass``).
         self.misfit = INF
         self.dropped = 0  # groups too full for any sample that left their heap
-        self.short_of_tokens = False  # the last join found a CP size without token room
+        # CP size -> the most token room among the groups the last join looked at, where none
+        # had room for its sample; ``misfit`` came from such a bound (see ``_pass``).
+        self.token_bounds: Dict[int, int] = {}
+        self.misfit_by_tokens = False
         # Placements (group, sample, load, fresh) recorded for :meth:`undo` when not None.
         self.journal: Optional[List[Tuple[GroupDraft, Item, float, bool]]] = None
 
@@ -70,8 +73,9 @@ class MicroBatchBuilder:
 
         Placing only ever raises loads and takes free ranks, and a longer sample costs more and
         needs at least as many ranks, so a sample at least as long as one known to miss misses
-        too (``misfit``, see :meth:`_misfit_after`) and counts as a miss untried. Only a full
-        group leaving its heap lets :meth:`_join` look further, so that forgets ``misfit``."""
+        too (``misfit``, see :meth:`_misfit_after`) and counts as a miss untried. A full group
+        leaving its heap lets :meth:`_join` look further, and a placement can bring a group with
+        more token room among those it looks at: ``misfit`` is forgotten then."""
         place = self._place_lowest if self.level == INF else self._place_under_level
         misses = 0
         for index in order:
@@ -79,8 +83,8 @@ class MicroBatchBuilder:
                 continue
             item, dropped = pool[index], self.dropped
             placed = item.seqlen < self.misfit and place(item)
-            if self.dropped != dropped:
-                self.misfit = INF
+            if self.dropped != dropped or (placed and self.misfit_by_tokens):
+                self.misfit, self.misfit_by_tokens = INF, False
             elif not placed and item.seqlen < self.misfit:
                 self.misfit = self._misfit_after(item)
             if placed:
@@ -93,30 +97,34 @@ class MicroBatchBuilder:
 
     def _misfit_after(self, item: Item) -> int:
         """The shortest length known to miss after ``item`` missed: its own, or, once no rank is
-        free under a level and the miss was for want of load room only, one more than the longest
-        any group could still take by its load (:meth:`_longest_under_level`): a long run of
-        misses then costs one search."""
-        if self.free.free or self.level == INF or self.short_of_tokens:
+        free under a level, one more than the longest some CP size could still take: by the token
+        room of the groups :meth:`_join` looked at (``token_bounds``) where it lacked room, else
+        by the load of its least-loaded group (:meth:`_longest_by_load`). A long run of misses
+        then costs one search."""
+        if self.free.free or self.level == INF:
             return item.seqlen
-        return min(item.seqlen, self._longest_under_level(item.seqlen) + 1)
-
-    def _longest_under_level(self, below: int) -> int:
-        """The longest length under ``below`` that the least-loaded group of some CP size could
-        take without passing the level (token room and minimum CP size ignored: a bound), or -1.
-        Costs grow with the length, so each size is a binary search."""
-        longest, level = -1, self.level
-        for _, heap, _, costs in self.lanes:
-            if not heap:
+        longest, below = -1, item.seqlen  # the longest length some CP size may still take
+        for lane in self.lanes:
+            if not lane[1] or longest >= below - 1:
                 continue
-            load, low, high = heap[0][0], longest, below - 1
-            while low < high:
-                middle = (low + high + 1) // 2
-                if load + costs[middle] <= level:  # the test of :meth:`_join`, bit for bit
-                    low = middle
-                else:
-                    high = middle - 1
-            longest = low
-        return longest
+            room = self.token_bounds.get(lane[0])
+            longest = max(longest, room if room is not None else self._longest_by_load(lane, below))
+        self.misfit_by_tokens = bool(self.token_bounds)
+        return min(below, longest + 1)
+
+    def _longest_by_load(self, lane: Lane, below: int) -> int:
+        """The longest length under ``below`` that the least-loaded group of ``lane`` could take
+        without passing the level (token room and minimum CP size ignored: a bound), or -1.
+        Costs grow with the length: a binary search."""
+        _, heap, _, costs = lane
+        load, level, low, high = heap[0][0], self.level, -1, below - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if load + costs[middle] <= level:  # the test of :meth:`_join`, bit for bit
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def _place_under_level(self, item: Item) -> bool:
         """Put ``item`` on a fresh block of the smallest size whose cost fits under the level,
@@ -168,7 +176,9 @@ class MicroBatchBuilder:
 
     def _join(self, item: Item) -> bool:
         """Add ``item`` to the group where its resulting load is least and within the level."""
-        best_total, best, self.short_of_tokens = self.level, None, False
+        best_total, best = self.level, None
+        if self.token_bounds:
+            self.token_bounds = {}
         skipped: List[Tuple[List[HeapEntry], int, HeapEntry]] = []
         seqlen, min_cp = item.seqlen, item.min_cp
         for lane in self.lanes:
@@ -176,9 +186,10 @@ class MicroBatchBuilder:
             if size < min_cp or not heap:
                 continue
             if heap[0][2].tokens > capacity - seqlen:
+                mark = len(skipped)
                 self._skip_full(heap, capacity, capacity - seqlen, skipped)
                 if not heap or heap[0][2].tokens > capacity - seqlen:
-                    self.short_of_tokens = True
+                    self._bound_tokens(lane, skipped[mark:])
                     continue
             total = heap[0][0] + costs[seqlen]
             if total < best_total or (total == best_total and best is None):
@@ -196,6 +207,15 @@ class MicroBatchBuilder:
             else:
                 self.dropped += 1
         return best is not None
+
+    def _bound_tokens(self, lane: Lane, popped: List[Tuple[List[HeapEntry], int, HeapEntry]]):
+        """Record in ``token_bounds`` the most token room among the groups of ``lane`` that
+        :meth:`_join` popped (``popped``) or found on top, none of which had room for it."""
+        size, heap, capacity, _ = lane
+        least = min(entry[2].tokens for _, _, entry in popped)
+        if heap:
+            least = min(least, heap[0][2].tokens)
+        self.token_bounds[size] = capacity - least
 
     @staticmethod
     def _skip_full(
