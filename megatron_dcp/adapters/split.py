@@ -73,10 +73,17 @@ class SplitBatch:
         return sum(mb.packed.num_tokens for mb in self.microbatches)
 
 
-def plan_batch(seqlens: Sequence[int], domain_size: int, config: DCPConfig) -> Plan:
+def plan_batch(
+    seqlens: Sequence[int],
+    domain_size: int,
+    config: DCPConfig,
+    domain_ranks: Optional[Sequence[int]] = None,
+) -> Plan:
     """The plan of a mini-batch with ``seqlens`` over a domain of ``domain_size`` positions; a
-    pure function of its inputs, so every rank computes the same plan without communication."""
-    return plan_with(config.build_scheduler(domain_size), seqlens)
+    pure function of its inputs, so every rank computes the same plan without communication.
+    ``domain_ranks`` (the domain's global ranks, ``groups.domain_ranks``) let the cost model
+    price CP groups that span nodes (``config.ranks_per_node``); without them, one link tier."""
+    return plan_with(config.build_scheduler(domain_size, domain_ranks), seqlens)
 
 
 def split_batch(
@@ -94,7 +101,8 @@ def split_batch(
     """
     clean = [as_sample(sample) for sample in samples]
     seqlens = [int(sample["tokens"].numel()) for sample in clean]
-    plan = plan if plan is not None else plan_batch(seqlens, groups.domain_size, config)
+    if plan is None:
+        plan = plan_batch(seqlens, groups.domain_size, config, groups.domain_ranks)
     _check_plan(plan, seqlens, groups.domain_size)
     microbatches = tuple(
         _rank_microbatch(index, group, clean, groups, config)
@@ -181,5 +189,5 @@ def _check_plan(plan: Plan, seqlens: Sequence[int], domain_size: int) -> None:
     if plan.domain.size != domain_size:
         raise ValueError(
             f"plan is for a domain of {plan.domain.size} ranks, the DCP groups span {domain_size}; "
-            "plan it with plan_batch(seqlens, groups.domain_size, config)"
+            "plan it with plan_batch(seqlens, groups.domain_size, config, groups.domain_ranks)"
         )

@@ -374,3 +374,30 @@ def test_shard_per_token_rejects_values_of_the_wrong_length():
         shard_per_token([torch.zeros(3)], split, 0)
     with pytest.raises(ValueError, match=r"values\[1\] has shape \(4,\); expected \[5"):
         shard_per_token([torch.zeros(3), torch.zeros(4)], split, 0)
+
+
+# Lengths whose plan on 4 ranks, 2 per node, differs with and without the node layout.
+NODE_LENGTHS = [503, 1229, 1130, 283, 773, 1252]
+NODE_CONFIG = DCPConfig(
+    max_seqlen_per_dp_cp_rank=1024, cp_size=2, ranks_per_node=2, hardware="h100-nvlink"
+)
+
+
+def split_plan_step(rank: int, world_size: int, samples: Sequence[Sample]):
+    init_megatron(cp=2, seed=OPTIONS.seed)
+    groups = create_dcp_groups()
+    plan = split_batch(samples, groups, NODE_CONFIG).plan
+    ranks = tuple(groups.domain_ranks)
+    groups.destroy()
+    return plan, ranks
+
+
+def test_plans_price_cp_groups_across_nodes():
+    """``plan_batch`` with the domain's global ranks plans over the node layout (groups of 4 span
+    both nodes of 2), and ``split_batch`` passes them itself: its plan is the node-aware one."""
+    blind = plan_batch(NODE_LENGTHS, 4, NODE_CONFIG)
+    aware = plan_batch(NODE_LENGTHS, 4, NODE_CONFIG, range(4))
+    assert aware.microbatches != blind.microbatches
+    samples = make_samples(NODE_LENGTHS, OPTIONS.vocab_size, seed=3)
+    for plan, ranks in run_distributed(split_plan_step, 4, samples, timeout_s=TIMEOUT_S):
+        assert ranks == (0, 1, 2, 3) and plan.microbatches == aware.microbatches
