@@ -42,7 +42,9 @@ at most ``SEARCH_ROWS`` micro-batches), also try step 2 with every micro-batch f
 whole pool and the packing variant (``packed_rows``), and keep the best plan (``plan_rank``, by
 ``draft_critical_path``). Cost: each micro-batch scans its pool once per trial
 (``MicroBatchBuilder`` stops a pass after ``FAIL_LIMIT`` consecutive misses per ``FAIL_SPAN``
-ranks once no rank is free), with one heap of groups per CP size: O(K · T · n log N) for K micro-batches, T ≤ ``TRIALS`` trials and n samples. Every step takes the shared
+ranks once no rank is free, and counts samples it knows would miss without trying them), with one
+heap of groups per CP size: O(K · T · n log N) for K micro-batches, T ≤ ``TRIALS`` trials and n
+samples. Every step takes the shared
 ``dynamic_cp_context.Context`` (domain, cost model, memoised costs).
 """
 

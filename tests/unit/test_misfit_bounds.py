@@ -56,7 +56,7 @@ class CheckedBuilder(MicroBatchBuilder):
             and bound < self.ctx.domain.max_tokens_per_sequence
         ):
             for seqlen in (bound, bound + 1):
-                if self._fits(seqlen):
+                if seqlen <= self.ctx.domain.max_tokens_per_sequence and self._fits(seqlen):
                     self.wrong.append(("read", bound, seqlen))
         return bound
 
