@@ -6,7 +6,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from megatron_dcp.integration.config import DCPConfig, check_model_config
+from megatron_dcp.integration.compat import check_model_config
+from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.nodes import check_ranks_per_node
 from megatron_dcp.integration.schedule import DCPForwardBackward
 from megatron_dcp.runtime.groups import DCPGroups, domain_rank_lists_from

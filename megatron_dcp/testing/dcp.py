@@ -50,7 +50,7 @@ def dcp_training_step(
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
-    init_megatron(tp, pp, cp, vpp, seed=options.seed)
+    init_megatron(tp, pp, cp, vpp, seed=options.seed, ep=options.expert_parallel)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
     dcp = DCPConfig.for_model(
@@ -103,9 +103,13 @@ def global_loss(losses: Sequence[dict]) -> tuple[float, int]:
 LEARNING_RATE = 1e-2
 
 
-def with_ddp_and_adam(chunks: Sequence[torch.nn.Module]) -> tuple[list, object]:
+def with_ddp_and_adam(
+    chunks: Sequence[torch.nn.Module], distributed_optimizer: bool = False
+) -> tuple[list, object]:
     """Wrap ``chunks`` in megatron DDP (gradients summed over DP×CP: per-token loss) and build
-    megatron's Adam; the schedules then sync and scale gradients by the global token count."""
+    megatron's Adam; the schedules then sync and scale gradients by the global token count.
+    ``distributed_optimizer``: Adam's state sharded over DP×CP (gradients reduce-scattered,
+    parameters all-gathered)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -113,7 +117,9 @@ def with_ddp_and_adam(chunks: Sequence[torch.nn.Module]) -> tuple[list, object]:
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+    )
     models = [
         DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
@@ -126,6 +132,7 @@ def with_ddp_and_adam(chunks: Sequence[torch.nn.Module]) -> tuple[list, object]:
         weight_decay=0.0,
         clip_grad=0.0,
         params_dtype=torch.float32,
+        use_distributed_optimizer=distributed_optimizer,
     )
     return models, get_megatron_optimizer(optimizer_config, models)
 
@@ -143,15 +150,17 @@ def dcp_training_run(
     cp: int = 1,
     budget: int = 64,
     options: Optional[TinyGPTOptions] = None,
+    distributed_optimizer: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """``len(batches)`` DCP training steps (DDP + Adam); the full weights afterwards."""
+    """``len(batches)`` DCP training steps (DDP + Adam, megatron's distributed optimizer when
+    ``distributed_optimizer``); the full weights afterwards."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
     init_megatron(tp, pp, cp, seed=options.seed)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, options=options)
-    models, optimizer = with_ddp_and_adam(chunks)
+    models, optimizer = with_ddp_and_adam(chunks, distributed_optimizer)
     wrapper = build_forward_backward(
         chunks[0].config, DCPConfig.for_model(chunks[0].config, budget)
     )

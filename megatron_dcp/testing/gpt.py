@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import zlib
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,11 @@ from megatron_dcp.integration.patches import enable_cpu_backend
 from megatron_dcp.integration.schedule import packed_seq_params_of
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple
 from megatron_dcp.testing.distributed import run_distributed
+from megatron_dcp.testing.moe import (
+    global_expert_name,
+    gradient_sum_group,
+    merge_expert_parallel,
+)
 
 import_megatron_core()
 
@@ -48,6 +53,22 @@ class TinyGPTOptions:
     max_sequence_length: int = 512
     mtp_layers: int = 0
     seed: int = 1234
+    sequence_parallel: bool = False  # applies when tp > 1 (the reference runs without it)
+    # Activation recomputation (TransformerConfig's fields of the same names; None: off).
+    recompute_granularity: Optional[str] = None  # "full" or "selective"
+    recompute_method: Optional[str] = None  # "uniform" or "block" (full only)
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[tuple[str, ...]] = None  # selective; None: ["core_attn"]
+    add_bias_linear: bool = True  # False: no linear biases (megatron's "mlp" recompute needs it)
+    # Mixture of experts (None: dense). Local experts (SequentialMLP), alltoall dispatcher; the
+    # expert-parallel size comes from init_megatron's ``ep`` (``expert_parallel`` for the DCP step;
+    # the reference runs with 1). megatron's experts fail with linear biases: add_bias_linear=False.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_router_load_balancing_type: Union[str, tuple[str, ...]] = "none"  # "aux_loss", ...
+    moe_aux_loss_coeff: Union[float, tuple[float, ...]] = 0.0  # one per type
+    moe_z_loss_coeff: Optional[float] = None
+    expert_parallel: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +81,12 @@ class ReferenceResult:
 
 
 def init_megatron(
-    tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None, seed: int = 1234
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: Optional[int] = None,
+    seed: int = 1234,
+    ep: int = 1,
 ) -> None:
     """Megatron model-parallel state on an initialised (gloo) default group, CPU shims on, RNG
     seeded. ``parallel_state.destroy_model_parallel()`` afterwards (``run_distributed`` does)."""
@@ -70,6 +96,7 @@ def init_megatron(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -98,7 +125,39 @@ def tiny_gpt_config(
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True,
+        sequence_parallel=options.sequence_parallel and tp > 1,
+        recompute_granularity=options.recompute_granularity,
+        recompute_method=options.recompute_method,
+        recompute_num_layers=options.recompute_num_layers,
+        recompute_modules=_listed(options.recompute_modules),
+        add_bias_linear=options.add_bias_linear,
+        **_moe_fields(options),
     )
+
+
+def _moe_fields(options: TinyGPTOptions) -> dict:
+    """TransformerConfig's MoE fields (none for a dense model); EP from the initialised state."""
+    if not options.num_moe_experts:
+        return {}
+    return dict(
+        num_moe_experts=options.num_moe_experts,
+        moe_router_topk=options.moe_router_topk,
+        moe_router_load_balancing_type=_listed_or_str(options.moe_router_load_balancing_type),
+        moe_aux_loss_coeff=_listed_or_str(options.moe_aux_loss_coeff),
+        moe_z_loss_coeff=options.moe_z_loss_coeff,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+    )
+
+
+def _listed_or_str(value):
+    """Per-type MoE settings are lists in TransformerConfig, tuples in the hashable options."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _listed(values: Optional[Sequence[str]]) -> Optional[list[str]]:
+    """A fresh list: TransformerConfig keeps (and may append to) the list it is given, and the
+    options are frozen and hashable, so they hold a tuple."""
+    return None if values is None else list(values)
 
 
 def build_tiny_gpt(
@@ -129,7 +188,7 @@ def _build_chunk(
     config: TransformerConfig, options: TinyGPTOptions, stage: Optional[int]
 ) -> GPTModel:
     ignore_virtual = stage is None
-    layer_spec = reference_layer_spec()
+    layer_spec = reference_layer_spec(num_experts=options.num_moe_experts, moe_grouped_gemm=False)
     mtp_spec = None
     if options.mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, False, vp_stage=stage)
@@ -166,7 +225,7 @@ def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
             name_global = f"decoder.layers.{layer.layer_number - 1}.{name[match.end():]}"
         else:
             name_global = name
-        names[name] = name_global
+        names[name] = global_expert_name(name_global, model.config.num_moe_experts)
     return names
 
 
@@ -220,6 +279,14 @@ def _gather_tp(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
+def _sum_sequence_parallel(grad: torch.Tensor, param: torch.Tensor) -> None:
+    """Under sequence parallelism each TP rank's norm and row-parallel bias gradients cover its
+    own tokens (megatron marks those parameters ``sequence_parallel``; finalize_model_grads
+    sums them over TP, which a step without DDP does not run)."""
+    if getattr(param, "sequence_parallel", False):
+        dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+
+
 def gather_full_tensors(
     chunks: Sequence[torch.nn.Module],
     select: Callable[[torch.Tensor], torch.Tensor] = _param_grad,
@@ -227,18 +294,20 @@ def gather_full_tensors(
 ) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors by global name, on every rank: ``select(param)`` (default: the
     gradient, ``main_grad`` under DDP), summed over the DP×CP group when ``reduce_dp_cp`` (each
-    rank's gradient covers its own tokens), gathered over TP and merged over PP. A name present on
+    rank's gradient covers its own tokens; under sequence parallelism also over TP for the
+    parameters marked ``sequence_parallel``; expert-parallel experts over the ranks holding
+    them, then collected from every EP rank), gathered over TP and merged over PP. A name present on
     several PP stages (embedding copies) is summed. Collective over the whole world."""
     local: dict[str, torch.Tensor] = {}
-    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     for chunk in chunks:
         names = global_parameter_names(chunk)
         for name, param in unwrap(chunk).named_parameters():
             tensor = select(param).clone()
             if reduce_dp_cp:
-                dist.all_reduce(tensor, group=dp_cp)
+                dist.all_reduce(tensor, group=gradient_sum_group(param))
+                _sum_sequence_parallel(tensor, param)
             local[names[name]] = _gather_tp(tensor, param)
-    return _merge_pipeline_stages(local)
+    return _merge_pipeline_stages(merge_expert_parallel(local))
 
 
 def _merge_pipeline_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

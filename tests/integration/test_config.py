@@ -7,13 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dcp.integration.config import (
-    DCPConfig,
-    add_dcp_args,
-    check_budget,
-    check_model_config,
-    flag_error,
-)
+from megatron_dcp.integration.compat import check_model_config
+from megatron_dcp.integration.config import DCPConfig, add_dcp_args, check_budget, flag_error
 from megatron_dcp.scheduling import SCHEDULERS, build_scheduler
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.errors import SchedulingError
@@ -24,6 +19,13 @@ GOOD = dict(
     hybrid_context_parallel=False,
     multi_latent_attention=False,
     sequence_parallel=False,
+    recompute_granularity=None,
+    recompute_modules=None,
+    add_bias_linear=True,
+    cuda_graph_impl="none",
+    enable_cuda_graph=False,
+    fp8=None,
+    fp4=None,
 )
 
 
@@ -34,6 +36,13 @@ def config(**overrides):
 def test_a_supported_config_passes():
     check_model_config(config(), te_available=False)
     check_model_config(config(sequence_parallel=True), te_available=True)
+    # The CPU backend corrects megatron's torch norm for sequence parallelism (cpu_backend.md).
+    check_model_config(config(sequence_parallel=True), te_available=False, cpu_backend=True)
+    selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    check_model_config(config(**selective, add_bias_linear=False), cpu_backend=True)
+    layernorm = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
+    check_model_config(config(**layernorm), te_available=True, cpu_backend=False)
+    check_model_config(config(fp8="hybrid"), te_available=True, cpu_backend=False)
 
 
 @pytest.mark.parametrize(
@@ -43,11 +52,29 @@ def test_a_supported_config_passes():
         (dict(hybrid_context_parallel=True), False, "--hybrid-context-parallel"),
         (dict(multi_latent_attention=True), False, "--multi-latent-attention"),
         (dict(sequence_parallel=True), False, "--sequence-parallel"),
+        (dict(recompute_granularity="selective", recompute_modules=["mlp"]), True, "bias-linear"),
+        (dict(cuda_graph_impl="transformer_engine"), True, "--cuda-graph-impl"),
+        (dict(cuda_graph_impl="local"), True, "--cuda-graph-impl"),
+        (dict(enable_cuda_graph=True), True, "--enable-cuda-graph"),
     ],
 )
 def test_unsupported_model_settings_are_rejected(overrides, te, flag):
+    """On a GPU (``cpu_backend=False``): sequence parallelism without TE is refused."""
     with pytest.raises(ValueError, match=flag):
-        check_model_config(config(**overrides), te_available=te)
+        check_model_config(config(**overrides), te_available=te, cpu_backend=False)
+
+
+@pytest.mark.parametrize(
+    "overrides,flag",
+    [
+        (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), "layernorm"),
+        (dict(fp8="hybrid"), "--fp8-format"),
+        (dict(fp4="e2m1"), "--fp4-format"),
+    ],
+)
+def test_settings_that_need_transformer_engine_are_rejected_on_cpu(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        check_model_config(config(**overrides), te_available=False, cpu_backend=True)
 
 
 def test_scheduler_defaults_to_dcp_and_rejects_unknown_names():

@@ -189,3 +189,67 @@ def test_mamba_context_parallel_is_rebuilt_for_the_micro_batch_group():
     assert mixer.cp is static
     with patches.swap_mamba_context_parallel(mixer, DYNAMIC):
         assert mixer.cp is rebuilt  # cached per group
+
+
+class FakeRouter:
+    """What ``swap_moe_router_group`` touches on megatron's router: its TP×CP group, TP group and
+    the method that attaches an aux loss and records it for logging."""
+
+    def __init__(self, tp_size=1):
+        self.tp_cp_group = STATIC
+        self.tp_group = SimpleNamespace(size=lambda: tp_size)
+        self.calls = []
+
+    def attach_and_log_load_balancing_loss(self, activation, coeff, loss, name, reduce_group):
+        self.calls.append((self.tp_cp_group, reduce_group))  # (scaled by, logged over)
+        return activation
+
+
+class FakeMoELayer:
+    def __init__(self, router=None, recompute=False):
+        self.mlp = SimpleNamespace(router=router, moe_layer_recompute=recompute)
+        self.training = True
+
+    def _forward_mlp(self, hidden, inference_context=None, packed_seq_params=None, fail=False):
+        router = self.mlp.router
+        if router is not None:
+            router.attach_and_log_load_balancing_loss(hidden, 0.1, 1.0, "aux", router.tp_cp_group)
+        if fail:
+            raise RuntimeError("boom")
+        return hidden
+
+
+def test_moe_router_reduces_over_the_micro_batch_group_and_logs_over_the_static_one():
+    router = FakeRouter()
+    layer = FakeMoELayer(router)
+    forward = patches.switching(FakeMoELayer._forward_mlp, patches.swap_moe_router_group)
+
+    forward(layer, "h", packed_seq_params=dcp_params(DYNAMIC, 4))
+    forward(layer, "h", None, dcp_params(None, 1))
+    forward(layer, "h", packed_seq_params=None)
+    with pytest.raises(RuntimeError, match="boom"):
+        forward(layer, "h", packed_seq_params=dcp_params(DYNAMIC, 4), fail=True)
+    assert router.calls == [
+        (DYNAMIC, STATIC),
+        (patches.SOLO_GROUP, STATIC),
+        (STATIC, STATIC),
+        (DYNAMIC, STATIC),
+    ]
+    assert router.tp_cp_group is STATIC
+    assert "attach_and_log_load_balancing_loss" not in vars(router)
+    forward(FakeMoELayer(None), "h", packed_seq_params=dcp_params(DYNAMIC, 4))  # dense: no-op
+
+
+@pytest.mark.parametrize(
+    "layer,match",
+    [
+        (FakeMoELayer(FakeRouter(tp_size=2)), "tensor parallelism 1"),
+        (FakeMoELayer(FakeRouter(), True), "moe"),
+    ],
+)
+def test_moe_router_switch_refuses_tp_and_moe_recompute(layer, match):
+    forward = patches.switching(FakeMoELayer._forward_mlp, patches.swap_moe_router_group)
+    with pytest.raises(ValueError, match=match):
+        forward(layer, "h", packed_seq_params=dcp_params(DYNAMIC, 4))
+    assert layer.mlp.router.tp_cp_group is STATIC
+    forward(layer, "h", packed_seq_params=None)  # static CP: megatron's own path, no refusal

@@ -1,6 +1,8 @@
 """``megatron_dcp.pretrain_gpt`` end to end on real (indexed) data: documents of a megatron
-indexed dataset, one per sample, through 2 CPU ranks (CP2) for a few iterations with evaluation."""
+indexed dataset, one per sample, through 2 CPU ranks (CP2) for a few iterations with evaluation;
+and with sequence parallelism and the distributed optimizer (tp2·cp2, 4 CPU ranks)."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -51,3 +53,38 @@ def test_training_on_indexed_documents(tmp_path):
     assert all(4.0 < loss < 6.0 for loss in log.losses.values())  # ≈ ln(128) at the start
     assert "validation loss at iteration 3" in log.output
     assert "megatron_dcp: no CUDA device, using the CPU backend" in log.output
+
+
+def test_sequence_parallel_and_distributed_optimizer_on_cpu(tmp_path):
+    """--sequence-parallel (tp2) and --use-distributed-optimizer are accepted on the CPU backend
+    and stay on (megatron prints them; the optimizer reduce-scatters gradients) for 3 steps."""
+    options = {
+        "--dynamic-context-parallel": True,
+        "--tensor-model-parallel-size": 2,
+        "--sequence-parallel": True,
+        "--use-distributed-optimizer": True,
+        "--context-parallel-size": 2,
+        "--max-seqlen-per-dp-cp-rank": 128,
+        "--num-layers": 2,
+        "--hidden-size": 64,
+        "--num-attention-heads": 4,
+        "--seq-length": 256,
+        "--max-position-embeddings": 256,
+        "--micro-batch-size": 1,
+        "--global-batch-size": 8,
+        "--train-iters": 3,
+        "--hidden-dropout": 0.0,
+        "--lr": 1e-3,
+        "--tokenizer-type": "NullTokenizer",
+        "--vocab-size": 128,
+        "--varlen-distribution": "lognormal:mean=100,sigma=1.0,min=16,max=256",
+        "--eval-iters": 0,
+        "--eval-interval": 1000,
+        "--log-interval": 1,
+    }
+    log = run_pretrain(flag_list(options), 4, tmp_path / "run.log", timeout_s=300)
+    assert sorted(log.losses) == [1, 2, 3] and sorted(log.dcp) == [1, 2, 3]
+    assert all(4.0 < loss < 6.0 for loss in log.losses.values())
+    for setting in ("sequence_parallel", "use_distributed_optimizer"):
+        assert re.search(rf"  {setting} \.+ True", log.output), setting
+    assert "Using reduce-scatter for gradient reductions" in log.output

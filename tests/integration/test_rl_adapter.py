@@ -378,16 +378,13 @@ def test_shard_per_token_rejects_values_of_the_wrong_length():
 
 # Lengths whose plan on 4 ranks, 2 per node, differs with and without the node layout.
 NODE_LENGTHS = [503, 1229, 1130, 283, 773, 1252]
-NODE_CONFIG = DCPConfig(
-    max_seqlen_per_dp_cp_rank=1024, cp_size=2, ranks_per_node=2, hardware="h100-nvlink"
-)
+NODE_CONFIG = DCPConfig(1024, cp_size=2, ranks_per_node=2, hardware="h100-nvlink")
 
 
 def split_plan_step(rank: int, world_size: int, samples: Sequence[Sample]):
     init_megatron(cp=2, seed=OPTIONS.seed)
     groups = create_dcp_groups()
-    plan = split_batch(samples, groups, NODE_CONFIG).plan
-    ranks = tuple(groups.domain_ranks)
+    plan, ranks = split_batch(samples, groups, NODE_CONFIG).plan, tuple(groups.domain_ranks)
     groups.destroy()
     return plan, ranks
 

@@ -2,8 +2,8 @@
 
 Groups, applied by the functions below (each idempotent; each entry restorable):
 
-- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, TE attention), and
-  the timer of megatron's backward steps;
+- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, MoE router, TE
+  attention), and the timer of megatron's backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
@@ -25,6 +25,7 @@ from megatron_dcp.integration.patches.dcp import (
     micro_batch_cp_group,
     swap_cp_group,
     swap_mamba_context_parallel,
+    swap_moe_router_group,
     swap_pg_collection_cp,
     switching,
     te_attention_forward,
@@ -132,6 +133,7 @@ __all__ = [
     "restore_groups",
     "swap_cp_group",
     "swap_mamba_context_parallel",
+    "swap_moe_router_group",
     "swap_pg_collection_cp",
     "switching",
     "te_attention_forward",

@@ -11,6 +11,8 @@ from typing import Any, Callable, Tuple
 import torch
 
 from megatron_dcp.integration.cpu import backend
+from megatron_dcp.integration.cpu.moe import split_sizes_as_numpy
+from megatron_dcp.integration.cpu.parallel import cuda_type_names, sequence_parallel_norm
 from megatron_dcp.integration.cpu.training import clip_grad_by_total_norm_cpu
 from megatron_dcp.integration.patches.table import (
     NO_CUDA,
@@ -73,6 +75,35 @@ CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
             NO_CUDA,
         )
         for attr, stand_in in backend.megatron_rng_stand_ins().items()
+    ),
+    Patch(
+        "sequence_parallel_torch_norm",
+        "cpu_backend",
+        ("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",),
+        "megatron's torch norm (the local norm without apex) asserts not sequence_parallel; "
+        "built with the flag off, its parameters marked sequence_parallel so that "
+        "finalize_model_grads sums their per-shard gradients over TP, as apex's and TE's norms do.",
+        lambda owner, original: sequence_parallel_norm(original),
+        NO_CUDA,
+    ),
+    Patch(
+        "distributed_optimizer_cpu_params",
+        "cpu_backend",
+        ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",),
+        "DistributedOptimizer accepts only parameters whose type() is torch.cuda.*Tensor; while "
+        "it is built, CPU tensors answer their CUDA type name.",
+        lambda owner, original: cuda_type_names(original),
+        NO_CUDA,
+    ),
+    Patch(
+        "moe_split_sizes_numpy",
+        "cpu_backend",
+        ("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",),
+        "The alltoall MoE dispatcher gets its all-to-all split sizes as numpy from a helper that "
+        "converts only CUDA tensors; CPU tensors as split sizes make all_to_all_single raise a "
+        "TypeError with expert parallelism > 1.",
+        lambda owner, original: split_sizes_as_numpy(original),
+        NO_CUDA,
     ),
 )
 

@@ -211,6 +211,64 @@ def padded_roll_tensor(original: Callable) -> Callable:
 
 
 # ------------------------------------------------------------------------------------------------
+# MoE router statistics
+# ------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def swap_moe_router_group(layer: Any, group: Any) -> Iterator[None]:
+    """Run the layer's MoE router on the micro-batch's tensor×context-parallel group: the one its
+    tokens are spread over. With TP = 1 that is the micro-batch's CP group itself (TP > 1 is
+    refused: ``check_moe_router``). Token counts per expert and the aux-loss token totals are
+    all-reduced over it, and the per-token-loss scale of the aux and z losses uses its size.
+
+    The metrics tracker keeps being handed the static group: it all-reduces each metric over the
+    group recorded last, once per step, on every rank, so a per-micro-batch group there would
+    pair different groups on different ranks. Summed over the static group and averaged over DP,
+    the per-rank shares still add up to every micro-batch's aux loss (docs/runtime.md, MoE)."""
+    router = getattr(getattr(layer, "mlp", None), "router", None)
+    if router is None or getattr(router, "tp_cp_group", None) is None:
+        yield
+        return
+    check_moe_router(layer, router)
+    static = router.tp_cp_group
+    attach = router.attach_and_log_load_balancing_loss
+
+    def attach_and_log_static(activation, coeff, loss, name, reduce_group, *args, **kwargs):
+        reduce_group = static if reduce_group is group else reduce_group
+        return attach(activation, coeff, loss, name, reduce_group, *args, **kwargs)
+
+    with swapped_attribute(router, "tp_cp_group", group):
+        with instance_override(router, "attach_and_log_load_balancing_loss", attach_and_log_static):
+            yield
+
+
+def check_moe_router(layer: Any, router: Any) -> None:
+    """Refuse what the switch cannot cover (``integration.compat.check_moe`` refuses both at
+    start-up; this guards other entry points)."""
+    if router.tp_group.size() > 1:
+        raise ValueError(
+            "DCP with MoE needs tensor parallelism 1: the router reduces over TP x (the micro-"
+            "batch's CP group), and no such groups are created for TP > 1."
+        )
+    if layer.training and getattr(layer.mlp, "moe_layer_recompute", False):
+        raise ValueError(
+            "DCP with MoE does not support --recompute-modules moe: the router is re-run in the "
+            "backward pass, outside the micro-batch's CP group switch."
+        )
+
+
+@contextmanager
+def instance_override(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Shadow a method with an instance attribute for the block, then remove it again."""
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
+
+
+# ------------------------------------------------------------------------------------------------
 # The entries
 # ------------------------------------------------------------------------------------------------
 
@@ -255,6 +313,15 @@ DCP_PATCHES: Tuple[Patch, ...] = (
         "MambaMixer's context-parallel all-to-alls use the MambaContextParallel built at "
         "construction for the static CP group.",
         swap_mamba_context_parallel,
+    ),
+    _switching_patch(
+        "moe_router_group",
+        "megatron.core.transformer.transformer_layer:TransformerLayer._forward_mlp",
+        "The MoE router all-reduces tokens per expert and the aux-loss token counts over the "
+        "static TP x CP group (pg_collection.tp_cp) and scales aux and z losses by its size; a "
+        "DCP micro-batch's tokens are spread over its own CP group: statistics mixed across "
+        "micro-batches (or halved) and losses scaled by the wrong size.",
+        swap_moe_router_group,
     ),
     Patch(
         "te_attention",

@@ -1,0 +1,147 @@
+"""Which megatron model settings DCP runs with: the start-up refusals.
+
+``check_model_config`` runs once, before the first training step (``integration.dcp``), on the
+model's ``TransformerConfig``. Each refusal is a ValueError naming the flag and the fix, and has
+a test (tests/integration/test_config.py). docs/usage.md ("Megatron features with DCP") lists
+every feature with its status: tested, refused here, or GPU only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron_dcp.integration.config import DCP_FLAG
+
+
+def check_model_config(
+    config: Any, te_available: Optional[bool] = None, cpu_backend: Optional[bool] = None
+) -> None:
+    """Reject model settings DCP cannot run with (``config`` is a megatron TransformerConfig).
+    ``te_available`` / ``cpu_backend`` default to what this machine has (tests pass them)."""
+    cpu_backend = _cpu_backend(cpu_backend)
+    check_loss_and_exclusive_features(config)
+    check_sequence_parallel(config, te_available, cpu_backend)
+    check_recompute(config, cpu_backend)
+    check_cuda_graphs(config)
+    check_moe(config)
+    if cpu_backend:
+        check_cpu_precision(config)
+
+
+def check_loss_and_exclusive_features(config: Any) -> None:
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            f"{DCP_FLAG} needs --calculate-per-token-loss (calculate_per_token_loss=False): "
+            "ranks run different CP groups and micro-batch sizes, so only sums of per-token "
+            "losses divided by the global token count give the right gradient. Add "
+            "--calculate-per-token-loss."
+        )
+    if getattr(config, "hybrid_context_parallel", False):
+        raise ValueError(
+            f"{DCP_FLAG} and --hybrid-context-parallel (megatron's own scheduler) exclude each "
+            "other: remove --hybrid-context-parallel."
+        )
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError(
+            f"{DCP_FLAG} does not support multi-latent attention (--multi-latent-attention): "
+            "MLA's THD context-parallel path in megatron-core 0.19 ignores per-micro-batch CP "
+            "groups. Use standard attention or static context parallelism."
+        )
+
+
+def check_sequence_parallel(config: Any, te_available: Optional[bool], cpu_backend: bool) -> None:
+    """Sequence parallelism runs with Transformer Engine, and on the CPU backend (whose torch-norm
+    correction marks the norms for megatron's TP gradient sum, docs/cpu_backend.md). On a GPU
+    without TE the local torch norm asserts (apex's would not), and that path has never been
+    run: refused."""
+    if not config.sequence_parallel or _te_available(te_available) or cpu_backend:
+        return
+    raise ValueError(
+        f"{DCP_FLAG} with --sequence-parallel on a GPU needs Transformer Engine "
+        "(--transformer-impl transformer_engine): megatron's local torch norm (no apex) "
+        "rejects sequence parallelism, only the CPU backend corrects it, and the local path "
+        "has not been run on a GPU. Install the 'te' extra or drop --sequence-parallel."
+    )
+
+
+def check_recompute(config: Any, cpu_backend: bool) -> None:
+    """Selective recomputation of ``mlp`` with linear biases never finishes its backward pass
+    in megatron-core 0.19.2 (the bias leaves the checkpoint as a non-leaf whose grad_fn
+    re-enters it; also without DCP), and ``layernorm`` recomputation calls Transformer Engine's
+    FP8 state unconditionally, which the CPU backend lacks."""
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return
+    modules = set(getattr(config, "recompute_modules", None) or ())
+    if "mlp" in modules and getattr(config, "add_bias_linear", False):
+        raise ValueError(
+            f"{DCP_FLAG} with --recompute-modules mlp needs --disable-bias-linear: in "
+            "megatron-core 0.19.2 the recomputed MLP hands its bias out of the checkpoint and "
+            "the backward pass never finishes (with or without DCP). Add --disable-bias-linear "
+            "or recompute core_attn instead."
+        )
+    if "layernorm" in modules and cpu_backend:
+        raise ValueError(
+            f"--recompute-modules layernorm needs Transformer Engine (megatron-core 0.19.2 "
+            "queries TE's FP8 state when it recomputes norms), which the CPU backend has not: "
+            "drop layernorm from --recompute-modules on CPU."
+        )
+
+
+def check_cuda_graphs(config: Any) -> None:
+    """CUDA graphs replay fixed shapes and communicators; DCP changes both per micro-batch."""
+    graphs = getattr(config, "cuda_graph_impl", "none") not in (None, "none")
+    if graphs or getattr(config, "enable_cuda_graph", False):
+        raise ValueError(
+            f"{DCP_FLAG} cannot run under CUDA graphs (--cuda-graph-impl "
+            f"{getattr(config, 'cuda_graph_impl', None)!r} / --enable-cuda-graph): a graph "
+            "replays one captured token count and CP group, and DCP micro-batches change both. "
+            "Remove the CUDA graph flags."
+        )
+
+
+def check_cpu_precision(config: Any) -> None:
+    """The CPU backend runs fp32: FP8/FP4 need Transformer Engine on a GPU."""
+    low = getattr(config, "fp8", None) or getattr(config, "fp4", None)
+    if low:
+        flag = "--fp8-format" if getattr(config, "fp8", None) else "--fp4-format"
+        raise ValueError(
+            f"{flag} {low!r} needs Transformer Engine on a GPU; the CPU backend trains in fp32. "
+            f"Drop {flag} on CPU."
+        )
+
+
+def check_moe(model_config: Any) -> None:
+    """Refuse the MoE settings whose router statistics DCP cannot reduce over a micro-batch's
+    tokens (the ``moe_router_group`` patch, docs/runtime.md "MoE layers")."""
+    if not getattr(model_config, "num_moe_experts", None):
+        return
+    if model_config.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"{DCP_FLAG} with MoE (--num-experts) needs "
+            f"--tensor-model-parallel-size 1 (got {model_config.tensor_model_parallel_size}): "
+            "the router reduces its statistics over TP x the micro-batch's CP group, and DCP "
+            "creates no TP x CP groups per CP group yet. Use TP 1 (expert parallelism is fine)."
+        )
+    modules = model_config.recompute_modules or []
+    if model_config.recompute_granularity == "selective" and "moe" in modules:
+        raise ValueError(
+            f"{DCP_FLAG} with MoE does not support --recompute-modules moe: the "
+            "router re-runs in the backward pass, outside the micro-batch's CP group. Use "
+            "--recompute-granularity full or recompute other modules (moe_act is fine)."
+        )
+
+
+def _cpu_backend(cpu_backend: Optional[bool]) -> bool:
+    if cpu_backend is not None:
+        return cpu_backend
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _te_available(te_available: Optional[bool]) -> bool:
+    if te_available is not None:
+        return te_available
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)

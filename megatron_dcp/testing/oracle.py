@@ -1,0 +1,44 @@
+"""The comparison every oracle test makes: a distributed step against the single-process run."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_dcp.testing.dcp import DCPStepResult
+from megatron_dcp.testing.gpt import (
+    ReferenceResult,
+    Sample,
+    TinyGPTOptions,
+    single_process_reference,
+)
+
+
+def assert_step_matches(result: DCPStepResult, reference: ReferenceResult) -> None:
+    """Token count exact, summed loss within 1e-5 relative, every gradient within rtol 1e-4 /
+    atol 1e-5: the tolerances of fp32 sums taken in another order (packing, CP, TP)."""
+    assert result.num_tokens == reference.num_tokens, (result.num_tokens, reference.num_tokens)
+    assert math.isclose(result.loss_sum, reference.loss_sum, rel_tol=1e-5), (
+        result.loss_sum,
+        reference.loss_sum,
+    )
+    assert result.grads.keys() == reference.grads.keys()
+    for name, grad in reference.grads.items():
+        torch.testing.assert_close(result.grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def reference_cache(samples: Sequence[Sample]) -> Callable[[TinyGPTOptions], ReferenceResult]:
+    """The single-process run of ``samples`` by model options, each model run once: a test
+    module compares many layouts against the same few models (a module-scoped fixture holds it).
+    Options that only change how the step runs (recomputation) still make a new entry, so pass
+    the model without them."""
+    cache: dict[TinyGPTOptions, ReferenceResult] = {}
+
+    def reference(options: TinyGPTOptions) -> ReferenceResult:
+        if options not in cache:
+            cache[options] = single_process_reference(samples, options)
+        return cache[options]
+
+    return reference
