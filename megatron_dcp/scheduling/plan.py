@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
+from operator import attrgetter
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 from megatron_dcp.scheduling.domain import Block, Domain
+
+RANKS = attrgetter("ranks")
+SAMPLE_IDS = attrgetter("sample_ids")
 
 
 class InvalidPlanError(ValueError):
@@ -72,13 +77,15 @@ class Plan:
     def validate(self) -> "Plan":
         """Raise :class:`InvalidPlanError` on any violated invariant; return ``self`` otherwise."""
         self._check_coverage()
+        blocks: Set[Tuple[int, ...]] = set()  # the rank tuples already seen to be group blocks
         for index, microbatch in enumerate(self.microbatches):
-            self._check_microbatch(index, microbatch)
+            self._check_microbatch(index, microbatch, blocks)
         self._check_vpp_alignment()
         return self
 
     def _check_coverage(self) -> None:
-        ids = [i for mb in self.microbatches for group in mb.groups for i in group.sample_ids]
+        groups = chain.from_iterable(mb.groups for mb in self.microbatches)
+        ids = list(chain.from_iterable(map(SAMPLE_IDS, groups)))
         if sorted(ids) == list(range(len(self.seqlens))):
             return
         seen, expected = Counter(ids), Counter(range(len(self.seqlens)))
@@ -89,16 +96,20 @@ class Plan:
                 f"every sample must appear exactly once: missing {missing}, extra/duplicated {extra}"
             )
 
-    def _check_microbatch(self, index: int, microbatch: MicroBatch) -> None:
-        covered = sorted(r for g in microbatch.groups for r in g.ranks)
+    def _check_microbatch(
+        self, index: int, microbatch: MicroBatch, blocks: Set[Tuple[int, ...]]
+    ) -> None:
+        covered = sorted(chain.from_iterable(map(RANKS, microbatch.groups)))
         if covered != list(range(self.domain.size)):
             raise InvalidPlanError(f"micro-batch {index}: groups do not partition the domain")
         seqlens, budget = self.seqlens, self.domain.budget
         for group in microbatch.groups:
             ranks, ids = group.ranks, group.sample_ids
-            block = Block(ranks[0], len(ranks))
-            if ranks != block.positions or not self.domain.is_group_block(block):
-                raise self._group_error(index, group, "not an aligned block with a CP group")
+            if ranks not in blocks:
+                block = Block(ranks[0], len(ranks))
+                if ranks != block.positions or not self.domain.is_group_block(block):
+                    raise self._group_error(index, group, "not an aligned block with a CP group")
+                blocks.add(ranks)
             if not ids:
                 raise self._group_error(index, group, "ranks are idle (no samples)")
             if sum(map(seqlens.__getitem__, ids)) > budget * len(ranks):
