@@ -112,16 +112,10 @@ def check_cpu_precision(config: Any) -> None:
 
 def check_moe(model_config: Any) -> None:
     """Refuse the MoE settings whose router statistics DCP cannot reduce over a micro-batch's
-    tokens (the ``moe_router_group`` patch, docs/runtime.md "MoE layers")."""
+    tokens (the ``moe_router_group`` patch, docs/runtime.md "MoE layers"). TP > 1 runs: the
+    wrapper creates the TP x CP groups of every CP group (``integration.moe_groups``)."""
     if not getattr(model_config, "num_moe_experts", None):
         return
-    if model_config.tensor_model_parallel_size > 1:
-        raise ValueError(
-            f"{DCP_FLAG} with MoE (--num-experts) needs "
-            f"--tensor-model-parallel-size 1 (got {model_config.tensor_model_parallel_size}): "
-            "the router reduces its statistics over TP x the micro-batch's CP group, and DCP "
-            "creates no TP x CP groups per CP group yet. Use TP 1 (expert parallelism is fine)."
-        )
     modules = model_config.recompute_modules or []
     if model_config.recompute_granularity == "selective" and "moe" in modules:
         raise ValueError(

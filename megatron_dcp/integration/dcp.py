@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from megatron_dcp.integration.compat import check_model_config
 from megatron_dcp.integration.config import DCPConfig
+from megatron_dcp.integration.moe_groups import create_tp_cp_groups, needs_tp_cp_groups
 from megatron_dcp.integration.nodes import check_ranks_per_node
 from megatron_dcp.integration.schedule import DCPForwardBackward
 from megatron_dcp.runtime.groups import DCPGroups, domain_rank_lists_from
@@ -41,6 +42,7 @@ def build_forward_backward(
     domain_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     check_ranks_per_node(config.ranks_per_node, dist.get_world_size())
     groups = groups or create_dcp_groups(config.min_cp_size)
+    tp_cp_groups = create_tp_cp_groups(groups) if needs_tp_cp_groups(model_config) else None
     return DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
         config=config,
@@ -48,4 +50,5 @@ def build_forward_backward(
         groups=groups,
         dp_group=parallel_state.get_data_parallel_group(),
         domain_group=domain_group,
+        tp_cp_groups=tp_cp_groups,
     )

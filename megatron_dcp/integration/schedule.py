@@ -26,6 +26,8 @@ import torch
 
 from megatron_dcp.integration.config import DCPConfig, plan_with
 from megatron_dcp.integration.cost_models import predicted_step_time
+from megatron_dcp.integration.moe_groups import tp_cp_group_for
+from megatron_dcp.integration.patches.dcp import TP_CP_GROUP_ATTRIBUTE
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
@@ -80,6 +82,8 @@ class DCPForwardBackward:
     domain_group: Any
     stats: List[BatchStats] = field(default_factory=list)
     plan: Optional[Plan] = None
+    # MoE with TP > 1: the TP × CP groups (``integration.moe_groups``), named in each micro-batch.
+    tp_cp_groups: Optional[DCPGroups] = None
 
     def __call__(
         self,
@@ -140,7 +144,11 @@ class DCPForwardBackward:
         group = plan.microbatches[index].group_of(self.groups.position)
         multiple = self.config.pad_multiple(group.size)
         packed, cp_group = pack_group(group, samples, self.groups, multiple)
-        return batch_of(packed.to(device), cp_group)
+        batch = batch_of(packed.to(device), cp_group)
+        if self.tp_cp_groups is not None:
+            tp_cp = tp_cp_group_for(self.tp_cp_groups, self.groups, group)
+            setattr(batch["packed_seq_params"], TP_CP_GROUP_ATTRIBUTE, tp_cp)
+        return batch
 
 
 def pack_group(

@@ -27,6 +27,7 @@ from megatron_dcp.testing.moe import (
     global_expert_name,
     gradient_sum_group,
     merge_expert_parallel,
+    tensor_parallel_group,
 )
 
 import_megatron_core()
@@ -136,7 +137,8 @@ def tiny_gpt_config(
 
 
 def _moe_fields(options: TinyGPTOptions) -> dict:
-    """TransformerConfig's MoE fields (none for a dense model); EP from the initialised state."""
+    """TransformerConfig's MoE fields (none for a dense model); EP, ETP from the initialised
+    state."""
     if not options.num_moe_experts:
         return {}
     return dict(
@@ -146,6 +148,7 @@ def _moe_fields(options: TinyGPTOptions) -> dict:
         moe_aux_loss_coeff=_listed_or_str(options.moe_aux_loss_coeff),
         moe_z_loss_coeff=options.moe_z_loss_coeff,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
 
 
@@ -229,10 +232,10 @@ def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
     return names
 
 
-def _full_shape(param: torch.Tensor, tp: int) -> list[int]:
+def _full_shape(param: torch.Tensor) -> list[int]:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp
+        shape[param.partition_dim] *= dist.get_world_size(tensor_parallel_group(param))
     return shape
 
 
@@ -248,18 +251,16 @@ def _full_init(global_name: str, shape: list[int], seed: int) -> torch.Tensor:
 def _tp_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    return full.chunk(tp, dim=param.partition_dim)[rank]
+    group = tensor_parallel_group(param)
+    return full.chunk(dist.get_world_size(group), dim=param.partition_dim)[dist.get_rank(group)]
 
 
 @torch.no_grad()
 def init_from_global_names(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter with this rank's shard of its name-determined full tensor."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     names = global_parameter_names(model)
     for name, param in unwrap(model).named_parameters():
-        full = _full_init(names[name], _full_shape(param, tp), seed)
+        full = _full_init(names[name], _full_shape(param), seed)
         param.copy_(_tp_shard(full, param))
 
 
@@ -273,7 +274,7 @@ def _param_grad(param: torch.Tensor) -> torch.Tensor:
 def _gather_tp(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return tensor
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = tensor_parallel_group(param)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=param.partition_dim)

@@ -41,6 +41,13 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
     return not getattr(param, "allreduce", True)
 
 
+def tensor_parallel_group(param: torch.Tensor) -> Any:
+    """The group a tensor-parallel ``param`` is split over: expert TP for an expert parameter."""
+    if is_expert_parameter(param):
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 def gradient_sum_group(param: torch.Tensor) -> Any:
     """The group whose ranks' gradients of ``param`` add up to its full gradient: the ranks that
     hold the same experts for an expert parameter, DP×CP for every other one."""

@@ -209,19 +209,70 @@ def test_full_recompute_re_runs_the_router_on_the_micro_batch_group(equal_sample
     assert_step_matches(result, reference)
 
 
-@pytest.mark.parametrize(
-    "fields,match",
-    [
-        ({"tensor_model_parallel_size": 2}, "tensor-model-parallel-size 1"),
-        ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, "modules moe"),
-    ],
-)
-def test_start_up_refuses_moe_with_tp_or_moe_recompute(fields, match):
-    """No TP×CP group exists per CP group for TP > 1, and "moe" recomputation re-runs the router
-    outside the switch: both refused before the first step (dense models are not affected)."""
+def test_start_up_refuses_moe_recompute_and_accepts_tp():
+    """ "moe" recomputation re-runs the router outside the switch: refused before the first step
+    (dense models are not affected). TP > 1 is accepted: the wrapper creates the TP×CP groups."""
     base = {"tensor_model_parallel_size": 1, "recompute_granularity": None}
-    config = SimpleNamespace(**{**base, "recompute_modules": None, **fields})
-    with pytest.raises(ValueError, match=match):
-        check_moe(SimpleNamespace(**vars(config), num_moe_experts=4))
-    check_moe(SimpleNamespace(**vars(config), num_moe_experts=None))
-    check_moe(SimpleNamespace(**{**vars(config), **base}, num_moe_experts=4))
+    config = SimpleNamespace(**base, recompute_modules=None)
+    moe_recompute = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    with pytest.raises(ValueError, match="modules moe"):
+        check_moe(SimpleNamespace(**{**vars(config), **moe_recompute}, num_moe_experts=4))
+    check_moe(SimpleNamespace(**{**vars(config), **moe_recompute}, num_moe_experts=None))
+    check_moe(
+        SimpleNamespace(**{**vars(config), "tensor_model_parallel_size": 2}, num_moe_experts=4)
+    )
+
+
+def tp_cp_groups_worker(rank, world_size):
+    """This rank's TP×CP groups at tp2·cp2 (DP 1): ranks per CP size, communicator counts."""
+    from megatron_dcp.integration.dcp import create_dcp_groups
+    from megatron_dcp.integration.moe_groups import create_tp_cp_groups, tp_cp_group_for
+    from megatron_dcp.scheduling import CPGroup
+
+    init_megatron(tp=2, cp=2)
+    groups = create_dcp_groups()
+    tp_cp = create_tp_cp_groups(groups)
+    solo = CPGroup(ranks=(groups.position,), sample_ids=(0,))
+    assert tp_cp_group_for(tp_cp, groups, solo) is tp_cp.group(2)
+    return {c: tp_cp.ranks(2 * c) for c in groups.sizes}, tp_cp.communicator_count()
+
+
+def test_tp_cp_groups_are_tp_times_each_cp_block():
+    """Global rank = tp_rank + 2 · cp_rank: the TP×CP group of a CP group of 1 is the TP group,
+    of 2 the static TP×CP group (both megatron's, reused: no new communicator)."""
+    results = run_distributed(tp_cp_groups_worker, 4, timeout_s=120)
+    for rank, (ranks, count) in enumerate(results):
+        assert ranks == {1: (rank // 2 * 2, rank // 2 * 2 + 1), 2: (0, 1, 2, 3)}
+        assert (count.created, count.reused) == (0, 2)
+
+
+# TP 2 x CP 2 (world 4, DP 1) with sequence parallelism (megatron's MoE wants it with TP), EP 2
+# and expert TP 1 (with expert TP 2 the dispatcher all-gathers uneven token counts over TP, which
+# gloo cannot). A DP×CP domain of 2 positions: with a budget of 32 a 64-token sample needs a
+# group of 2 and a 32-token one runs alone, so one step mixes groups of 1 (the router reduces
+# over the TP group) and 2 (over a TP×CP group of 4), one sample per pack.
+TP_MOE = dataclasses.replace(AUX_ON, sequence_parallel=True)
+TP_LENGTHS = (64, 32, 32, 64)
+
+
+def moe_step_expert_tp1(rank, world_size, samples, **step):
+    """:func:`moe_step` with megatron's expert tensor parallelism 1."""
+    from unittest import mock
+
+    from megatron.core import parallel_state
+
+    initialize = partial(parallel_state.initialize_model_parallel, expert_tensor_parallel_size=1)
+    with mock.patch.object(parallel_state, "initialize_model_parallel", initialize):
+        return moe_step(rank, world_size, samples, **step)
+
+
+def test_tp2_aux_losses_and_gradients_with_mixed_cp_sizes_equal_single_process():
+    """MoE at tp2·cp2 with aux, seq-aux and z losses: the router of each micro-batch reduces over
+    TP × its CP group (the TP group for a group of 1), so loss, token count and gradients (aux
+    and z-loss gradients included) equal the single-process run."""
+    samples = make_samples(TP_LENGTHS, MOE.vocab_size, seed=5)
+    reference, _ = run_distributed(moe_reference, 1, samples, TP_MOE, timeout_s=240)[0]
+    step = partial(moe_step_expert_tp1, tp=2, cp=2, budget=32, options=TP_MOE)
+    result = run_distributed(step, 4, samples, timeout_s=240)[0][0]
+    assert set(result.cp_sizes) == {1, 2}
+    assert_step_matches(result, reference)

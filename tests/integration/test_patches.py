@@ -222,7 +222,7 @@ class FakeMoELayer:
 def test_moe_router_reduces_over_the_micro_batch_group_and_logs_over_the_static_one():
     router = FakeRouter()
     layer = FakeMoELayer(router)
-    forward = patches.switching(FakeMoELayer._forward_mlp, patches.swap_moe_router_group)
+    forward = patches.moe_router_switching(FakeMoELayer._forward_mlp)
 
     forward(layer, "h", packed_seq_params=dcp_params(DYNAMIC, 4))
     forward(layer, "h", None, dcp_params(None, 1))
@@ -240,16 +240,39 @@ def test_moe_router_reduces_over_the_micro_batch_group_and_logs_over_the_static_
     forward(FakeMoELayer(None), "h", packed_seq_params=dcp_params(DYNAMIC, 4))  # dense: no-op
 
 
+def test_moe_router_with_tp_reduces_over_the_tp_cp_group_the_wrapper_attached():
+    """TP 2: the router runs on the TP×CP group named in the micro-batch (the TP group for a
+    micro-batch without CP) and still logs over the static group."""
+    router = FakeRouter(tp_size=2)
+    forward = patches.moe_router_switching(FakeMoELayer._forward_mlp)
+    tp_cp = SimpleNamespace(name="tp2-x-dcp-4", size=lambda: 8)
+    tp = SimpleNamespace(name="tp2", size=lambda: 2)
+    for group, size, attached in [(DYNAMIC, 4, tp_cp), (None, 1, tp)]:
+        params = dcp_params(group, size)
+        setattr(params, patches.TP_CP_GROUP_ATTRIBUTE, attached)
+        forward(FakeMoELayer(router), "h", packed_seq_params=params)
+    assert router.calls == [(tp_cp, STATIC), (tp, STATIC)]
+    assert router.tp_cp_group is STATIC
+
+
+def wrong_size_group(size):
+    params = dcp_params(DYNAMIC, size)
+    setattr(params, patches.TP_CP_GROUP_ATTRIBUTE, DYNAMIC)  # the CP group alone: 4, not 2 x 4
+    return params
+
+
 @pytest.mark.parametrize(
-    "layer,match",
+    "layer,params,match",
     [
-        (FakeMoELayer(FakeRouter(tp_size=2)), "tensor parallelism 1"),
-        (FakeMoELayer(FakeRouter(), True), "moe"),
+        (FakeMoELayer(FakeRouter(tp_size=2)), dcp_params(DYNAMIC, 4), "tensor parallelism 2"),
+        (FakeMoELayer(FakeRouter(tp_size=2)), wrong_size_group(4), "tensor parallelism 2"),
+        (FakeMoELayer(FakeRouter(), True), dcp_params(DYNAMIC, 4), "moe"),
     ],
+    ids=["tp2-no-group", "tp2-cp-group-only", "moe-recompute"],
 )
-def test_moe_router_switch_refuses_tp_and_moe_recompute(layer, match):
-    forward = patches.switching(FakeMoELayer._forward_mlp, patches.swap_moe_router_group)
+def test_moe_router_switch_refuses_a_missing_tp_cp_group_and_moe_recompute(layer, params, match):
+    forward = patches.moe_router_switching(FakeMoELayer._forward_mlp)
     with pytest.raises(ValueError, match=match):
-        forward(layer, "h", packed_seq_params=dcp_params(DYNAMIC, 4))
+        forward(layer, "h", packed_seq_params=params)
     assert layer.mlp.router.tp_cp_group is STATIC
     forward(layer, "h", packed_seq_params=None)  # static CP: megatron's own path, no refusal

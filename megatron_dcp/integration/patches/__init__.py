@@ -22,7 +22,9 @@ from megatron_dcp.integration.patches.cpu import CPU_BACKEND_PATCHES, CPU_TRAINI
 from megatron_dcp.integration.patches.dcp import (
     DCP_PATCHES,
     SOLO_GROUP,
+    TP_CP_GROUP_ATTRIBUTE,
     micro_batch_cp_group,
+    moe_router_switching,
     swap_cp_group,
     swap_mamba_context_parallel,
     swap_moe_router_group,

@@ -19,7 +19,7 @@ import copy
 import functools
 import inspect
 from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -66,9 +66,12 @@ def micro_batch_cp_group(packed_seq_params: Any) -> Optional[Any]:
 Swap = Callable[[Any, Any], ContextManager[None]]
 
 
-def switching(original: Callable, swap: Swap) -> Callable:
-    """Wrap a ``forward`` so that, for a DCP micro-batch, ``swap(self, group)`` is active while
-    the original runs. ``packed_seq_params`` is found by name among the call's arguments."""
+def switching(
+    original: Callable, swap: Swap, group_of: Callable[[Any], Any] = micro_batch_cp_group
+) -> Callable:
+    """Wrap a ``forward`` so that, for a DCP micro-batch, ``swap(self, group_of(params))`` is
+    active while the original runs (``group_of`` returns None for other micro-batches).
+    ``packed_seq_params`` is found by name among the call's arguments."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -76,7 +79,7 @@ def switching(original: Callable, swap: Swap) -> Callable:
         params = kwargs.get("packed_seq_params")
         if params is None and args:
             params = signature.bind_partial(self, *args).arguments.get("packed_seq_params")
-        group = micro_batch_cp_group(params)
+        group = group_of(params)
         if group is None:
             return original(self, *args, **kwargs)
         with swap(self, group):
@@ -215,12 +218,39 @@ def padded_roll_tensor(original: Callable) -> Callable:
 # ------------------------------------------------------------------------------------------------
 
 
+# The DCP wrapper sets this attribute of a micro-batch's PackedSeqParams to TP × its CP group
+# when the model has MoE layers and TP > 1 (``integration.moe_groups``).
+TP_CP_GROUP_ATTRIBUTE = "dcp_tp_cp_group"
+
+
+class RouterGroups(NamedTuple):
+    """A DCP micro-batch's CP group and, when the wrapper set one, its TP × CP group."""
+
+    cp: Any
+    tp_cp: Optional[Any]
+
+
+def micro_batch_router_groups(packed_seq_params: Any) -> Optional[RouterGroups]:
+    """:class:`RouterGroups` of a DCP micro-batch; None for other micro-batches."""
+    group = micro_batch_cp_group(packed_seq_params)
+    if group is None:
+        return None
+    return RouterGroups(group, getattr(packed_seq_params, TP_CP_GROUP_ATTRIBUTE, None))
+
+
+def moe_router_switching(original: Callable) -> Callable:
+    """``TransformerLayer._forward_mlp`` running its router on the micro-batch's TP × CP group."""
+    return switching(original, swap_moe_router_group, micro_batch_router_groups)
+
+
 @contextmanager
-def swap_moe_router_group(layer: Any, group: Any) -> Iterator[None]:
+def swap_moe_router_group(layer: Any, groups: RouterGroups) -> Iterator[None]:
     """Run the layer's MoE router on the micro-batch's tensor×context-parallel group: the one its
-    tokens are spread over. With TP = 1 that is the micro-batch's CP group itself (TP > 1 is
-    refused: ``check_moe_router``). Token counts per expert and the aux-loss token totals are
-    all-reduced over it, and the per-token-loss scale of the aux and z losses uses its size.
+    tokens are spread over. With TP = 1 that is the micro-batch's CP group itself; with TP > 1
+    the TP × CP group the wrapper attached (``groups.tp_cp``; the TP group for a micro-batch
+    without CP), refused without one (``check_moe_router``). Token counts per expert and the
+    aux-loss token totals are all-reduced over it, and the per-token-loss scale of the aux and z
+    losses uses its size.
 
     The metrics tracker keeps being handed the static group: it all-reduces each metric over the
     group recorded last, once per step, on every rank, so a per-micro-batch group there would
@@ -230,7 +260,7 @@ def swap_moe_router_group(layer: Any, group: Any) -> Iterator[None]:
     if router is None or getattr(router, "tp_cp_group", None) is None:
         yield
         return
-    check_moe_router(layer, router)
+    group = check_moe_router(layer, router, groups)
     static = router.tp_cp_group
     attach = router.attach_and_log_load_balancing_loss
 
@@ -243,19 +273,26 @@ def swap_moe_router_group(layer: Any, group: Any) -> Iterator[None]:
             yield
 
 
-def check_moe_router(layer: Any, router: Any) -> None:
-    """Refuse what the switch cannot cover (``integration.compat.check_moe`` refuses both at
-    start-up; this guards other entry points)."""
-    if router.tp_group.size() > 1:
+def check_moe_router(layer: Any, router: Any, groups: RouterGroups) -> Any:
+    """The group the router of this micro-batch reduces over; refuses what the switch cannot
+    cover: TP > 1 without a TP × CP group of the right size (a micro-batch not packed by the DCP
+    wrapper, e.g. the RL adapter's), and "moe" recomputation (``integration.compat.check_moe``
+    refuses it at start-up; this guards other entry points)."""
+    tp = router.tp_group.size()
+    group = groups.cp if tp == 1 else groups.tp_cp
+    if group is None or group.size() != tp * groups.cp.size():
         raise ValueError(
-            "DCP with MoE needs tensor parallelism 1: the router reduces over TP x (the micro-"
-            "batch's CP group), and no such groups are created for TP > 1."
+            f"DCP with MoE and tensor parallelism {tp}: the router reduces over TP x (the micro-"
+            f"batch's CP group of {groups.cp.size()}), and the micro-batch carries no such group "
+            f"({TP_CP_GROUP_ATTRIBUTE}={groups.tp_cp!r}); only the DCP wrapper "
+            "(build_forward_backward) attaches it."
         )
     if layer.training and getattr(layer.mlp, "moe_layer_recompute", False):
         raise ValueError(
             "DCP with MoE does not support --recompute-modules moe: the router is re-run in the "
             "backward pass, outside the micro-batch's CP group switch."
         )
+    return group
 
 
 @contextmanager
@@ -314,14 +351,15 @@ DCP_PATCHES: Tuple[Patch, ...] = (
         "construction for the static CP group.",
         swap_mamba_context_parallel,
     ),
-    _switching_patch(
+    Patch(
         "moe_router_group",
-        "megatron.core.transformer.transformer_layer:TransformerLayer._forward_mlp",
+        "dcp",
+        ("megatron.core.transformer.transformer_layer:TransformerLayer._forward_mlp",),
         "The MoE router all-reduces tokens per expert and the aux-loss token counts over the "
         "static TP x CP group (pg_collection.tp_cp) and scales aux and z losses by its size; a "
-        "DCP micro-batch's tokens are spread over its own CP group: statistics mixed across "
+        "DCP micro-batch's tokens are spread over TP x its own CP group: statistics mixed across "
         "micro-batches (or halved) and losses scaled by the wrong size.",
-        swap_moe_router_group,
+        lambda owner, original: moe_router_switching(original),
     ),
     Patch(
         "te_attention",
