@@ -23,6 +23,7 @@ def check_model_config(
     check_sequence_parallel(config, te_available, cpu_backend)
     check_recompute(config, cpu_backend)
     check_cuda_graphs(config)
+    check_tp_comm_overlap(config)
     check_moe(config)
     if cpu_backend:
         check_cpu_precision(config)
@@ -96,6 +97,19 @@ def check_cuda_graphs(config: Any) -> None:
             f"{getattr(config, 'cuda_graph_impl', None)!r} / --enable-cuda-graph): a graph "
             "replays one captured token count and CP group, and DCP micro-batches change both. "
             "Remove the CUDA graph flags."
+        )
+
+
+def check_tp_comm_overlap(config: Any) -> None:
+    """Transformer Engine's userbuffers hold one fixed token count per rank; DCP micro-batches
+    pack a different count each."""
+    if getattr(config, "tp_comm_overlap", False):
+        raise ValueError(
+            f"{DCP_FLAG} cannot run with --tp-comm-overlap: Transformer Engine's userbuffers are "
+            "allocated once for --seq-length x --micro-batch-size / --context-parallel-size "
+            "tokens per rank and the overlapped GEMMs expect exactly that many, while every DCP "
+            "micro-batch packs a different number. Remove --tp-comm-overlap (sequence "
+            "parallelism without it is supported)."
         )
 
 

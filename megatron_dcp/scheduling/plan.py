@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
-from dataclasses import dataclass
 from typing import Dict, Optional, Set, Tuple
 
 from megatron_dcp.scheduling.domain import Block, Domain

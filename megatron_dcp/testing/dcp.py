@@ -22,6 +22,14 @@ from megatron_dcp.testing.gpt import (
     init_megatron,
     unpacked_loss_and_backward,
 )
+from megatron_dcp.testing.overlap import (
+    NO_OVERLAP,
+    CommOverlap,
+    ddp_config_fields,
+    finish_param_gather,
+    install_schedule_hooks,
+    use_p2p_overlap,
+)
 
 
 @dataclass(frozen=True)
@@ -45,14 +53,17 @@ def dcp_training_step(
     budget: int = 64,
     min_cp_size: int = 1,
     options: Optional[TinyGPTOptions] = None,
+    overlap: CommOverlap = NO_OVERLAP,
 ) -> DCPStepResult:
-    """One forward-backward of ``samples`` (the global batch, split evenly over DP ranks)."""
+    """One forward-backward of ``samples`` (the global batch, split evenly over DP ranks);
+    ``overlap``: its p2p settings (``testing.overlap``; a step without DDP has no others)."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
     init_megatron(tp, pp, cp, vpp, seed=options.seed, ep=options.expert_parallel)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
+    use_p2p_overlap(chunks[0].config, overlap)
     dcp = DCPConfig.for_model(
         chunks[0].config, budget, scheduler=scheduler, min_cp_size=min_cp_size
     )
@@ -104,12 +115,15 @@ LEARNING_RATE = 1e-2
 
 
 def with_ddp_and_adam(
-    chunks: Sequence[torch.nn.Module], distributed_optimizer: bool = False
+    chunks: Sequence[torch.nn.Module],
+    distributed_optimizer: bool = False,
+    overlap: CommOverlap = NO_OVERLAP,
 ) -> tuple[list, object]:
     """Wrap ``chunks`` in megatron DDP (gradients summed over DP×CP: per-token loss) and build
     megatron's Adam; the schedules then sync and scale gradients by the global token count.
     ``distributed_optimizer``: Adam's state sharded over DP×CP (gradients reduce-scattered,
-    parameters all-gathered)."""
+    parameters all-gathered). ``overlap``: megatron's communication overlaps, with the schedule
+    hooks megatron.training installs for them (``testing.overlap``)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -118,7 +132,7 @@ def with_ddp_and_adam(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+        use_distributed_optimizer=distributed_optimizer, **ddp_config_fields(overlap)
     )
     models = [
         DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
@@ -126,6 +140,7 @@ def with_ddp_and_adam(
     ]
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
+    install_schedule_hooks(models, overlap)
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=LEARNING_RATE,
@@ -133,6 +148,7 @@ def with_ddp_and_adam(
         clip_grad=0.0,
         params_dtype=torch.float32,
         use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=overlap.param_gather,
     )
     return models, get_megatron_optimizer(optimizer_config, models)
 
@@ -151,16 +167,19 @@ def dcp_training_run(
     budget: int = 64,
     options: Optional[TinyGPTOptions] = None,
     distributed_optimizer: bool = False,
+    vpp: Optional[int] = None,
+    overlap: CommOverlap = NO_OVERLAP,
 ) -> dict[str, torch.Tensor]:
     """``len(batches)`` DCP training steps (DDP + Adam, megatron's distributed optimizer when
-    ``distributed_optimizer``); the full weights afterwards."""
+    ``distributed_optimizer``, the communication overlaps of ``overlap``); the full weights
+    afterwards."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
-    init_megatron(tp, pp, cp, seed=options.seed)
+    init_megatron(tp, pp, cp, vpp, seed=options.seed)
     apply_patches()
-    chunks = build_tiny_gpt(tp, pp, cp, options=options)
-    models, optimizer = with_ddp_and_adam(chunks, distributed_optimizer)
+    chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
+    models, optimizer = with_ddp_and_adam(chunks, distributed_optimizer, overlap)
     wrapper = build_forward_backward(
         chunks[0].config, DCPConfig.for_model(chunks[0].config, budget)
     )
@@ -168,15 +187,18 @@ def dcp_training_run(
     dp_size = parallel_state.get_data_parallel_world_size()
     for samples in batches:
         share = len(samples) // dp_size
-        models[0].zero_grad_buffer()
+        local = samples[dp_rank * share : (dp_rank + 1) * share]
+        for model in models:
+            model.zero_grad_buffer()
         optimizer.zero_grad()
         wrapper(
             forward_step_func=forward_step,
-            data_iterator=iter(samples[dp_rank * share : (dp_rank + 1) * share]),
-            model=models[0],
+            data_iterator=[iter(local) for _ in models] if vpp else iter(local),
+            model=models if vpp else models[0],
             num_microbatches=share,
         )
         optimizer.step()
+    finish_param_gather(models, overlap)
     wrapper.groups.destroy()
     return full_weights(chunks)
 

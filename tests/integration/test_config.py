@@ -56,6 +56,7 @@ def test_a_supported_config_passes():
         (dict(cuda_graph_impl="transformer_engine"), True, "--cuda-graph-impl"),
         (dict(cuda_graph_impl="local"), True, "--cuda-graph-impl"),
         (dict(enable_cuda_graph=True), True, "--enable-cuda-graph"),
+        (dict(tp_comm_overlap=True, sequence_parallel=True), True, "--tp-comm-overlap"),
     ],
 )
 def test_unsupported_model_settings_are_rejected(overrides, te, flag):
