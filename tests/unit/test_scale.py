@@ -9,7 +9,7 @@ the filling pass's miss limit grows with N (σ 1.0 / median 4000 +0.012, σ 1.5 
 +0.017), but not everywhere: σ 1.5 / median 2000 / seed 7 is +0.035 at N = 4096 (it was +0.082
 with a fixed limit). The ratio test therefore draws σ in [0.5, 0.8] and keeps that heavy-tailed
 case as an expected failure: it turns into an error once the planner holds there too. Planning
-at N = 4096 takes 2-15 s, hence the few examples and no shrinking.
+at N = 4096 takes 1-5 s, hence the few examples and no shrinking.
 """
 
 import math
