@@ -92,10 +92,19 @@ def fill_checked(ctx: Context, seqlens: List[int], check_reads: bool = False) ->
 @given(layout=layouts(), data=st.data(), cost=st.sampled_from(sorted(COSTS)))
 def test_lengths_at_or_above_a_misfit_bound_fit_nowhere(layout, data, cost):
     dp, cp, budget, min_cp, _ = layout
-    domain = Domain(dp, cp, budget, min_cp)
-    seqlens = data.draw(lengths(domain.max_tokens_per_sequence, budget, 2, 60))
-    builder = fill_checked(Context(domain, COSTS[cost]), seqlens, check_reads=True)
+    cap = dp * cp * budget
+    lengths_drawn = data.draw(lengths(cap, budget, 2, 60))
+    check_bounds(layout, [min(n, cap) for n in lengths_drawn], cost)  # tiny ones may exceed cap
+
+
+def check_bounds(layout, seqlens: List[int], cost: str) -> None:
+    dp, cp, budget, min_cp, _ = layout
+    builder = fill_checked(Context(Domain(dp, cp, budget, min_cp), COSTS[cost]), seqlens, True)
     assert not builder.wrong, builder.wrong
+
+
+def test_a_one_rank_domain_with_the_longest_sequences():
+    check_bounds((1, 1, 1, 1, None), [0, 1], "attention")
 
 
 def test_bounds_are_made_and_checked_on_a_crowded_micro_batch():
