@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_dcp.integration.config import DCP_FLAG
+from megatron_dcp.integration.patches.table import NO_CUDA, TE_INSTALLED
 
 
 def check_model_config(
@@ -140,16 +141,8 @@ def check_moe(model_config: Any) -> None:
 
 
 def _cpu_backend(cpu_backend: Optional[bool]) -> bool:
-    if cpu_backend is not None:
-        return cpu_backend
-    import torch
-
-    return not torch.cuda.is_available()
+    return NO_CUDA.holds() if cpu_backend is None else cpu_backend
 
 
 def _te_available(te_available: Optional[bool]) -> bool:
-    if te_available is not None:
-        return te_available
-    from megatron.core.extensions.transformer_engine import HAVE_TE
-
-    return bool(HAVE_TE)
+    return TE_INSTALLED.holds() if te_available is None else te_available

@@ -70,8 +70,7 @@ class GroupDraft:
             self.load, self.tokens = 0.0, 0
 
     def freeze(self) -> CPGroup:
-        start, size = self.block
-        return CPGroup(tuple(range(start, start + size)), tuple(map(SAMPLE_ID, self.items)))
+        return CPGroup(self.block.positions, tuple(map(SAMPLE_ID, self.items)))
 
 
 def group_of_items(block: Block, items: Sequence[Item], cost: CostModel) -> GroupDraft:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, List, Mapping, Sequence
 
 import torch
 
@@ -12,8 +12,12 @@ from megatron_dcp.testing.gpt import (
     ReferenceResult,
     Sample,
     TinyGPTOptions,
+    make_samples,
     single_process_reference,
 )
+
+# Three global batches of different lengths: the training-run oracles (weights after Adam steps).
+ADAM_LENGTHS = ((37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2))
 
 
 def assert_step_matches(result: DCPStepResult, reference: ReferenceResult) -> None:
@@ -42,3 +46,18 @@ def reference_cache(samples: Sequence[Sample]) -> Callable[[TinyGPTOptions], Ref
         return cache[options]
 
     return reference
+
+
+def adam_batches(vocab_size: int) -> List[List[Sample]]:
+    """The samples of :data:`ADAM_LENGTHS`, one list per global batch."""
+    return [make_samples(batch, vocab_size, seed=s) for s, batch in enumerate(ADAM_LENGTHS)]
+
+
+def assert_weights_match(
+    weights: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
+) -> None:
+    """Weights after a few Adam steps against the single-process run's, within 1e-4: Adam turns
+    float noise in near-zero gradients into full-size updates (m/√v), and each step moves a
+    weight by up to the learning rate, 1e-2."""
+    for name, value in expected.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-4, msg=name)

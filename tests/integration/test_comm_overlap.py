@@ -28,11 +28,14 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     make_samples,
     single_process_reference,
 )
-from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
+from megatron_dcp.testing.oracle import (  # noqa: E402
+    adam_batches,
+    assert_step_matches,
+    assert_weights_match,
+)
 from megatron_dcp.testing.overlap import CommOverlap  # noqa: E402
 
 OPTIONS = TinyGPTOptions(num_layers=4)  # pp2·vpp2 needs a multiple of 4 layers
-LENGTHS = [(37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2)]
 STEP_LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71, 16, 150, 90, 2)
 # About a third of a layer's parameters: a chunk has several buckets, each reduced during the
 # backward pass (megatron's default bucket holds the whole tiny model: nothing to overlap).
@@ -91,7 +94,7 @@ def counting_overlaps(run, rank, world_size, *args, **kwargs):
 
 @pytest.fixture(scope="module")
 def batches():
-    return [make_samples(batch, OPTIONS.vocab_size, seed=s) for s, batch in enumerate(LENGTHS)]
+    return adam_batches(OPTIONS.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +137,7 @@ def test_weights_after_three_adam_steps_with_overlap_equal_single_process(
     )
     results = run_distributed(partial(counting_overlaps, run), 4, batches, timeout_s=240)
     for weights, counts in results:
-        for name, value in expected.items():
-            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-4, msg=name)
+        assert_weights_match(weights, expected)
         # At least steps 2 and 3 start their reductions early (one bucket on later pipeline
         # stages, where megatron turns bucketing off; several on the first).
         assert counts["early_reductions"] >= 2, counts

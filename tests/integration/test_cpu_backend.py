@@ -30,15 +30,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend o
 LENGTHS = [13, 5, 32, 1, 20, 0]
 
 
-@pytest.fixture
-def cpu_backend():
-    """The shims for one test; removed afterwards unless they were already on."""
-    was_enabled = cpu_backend_enabled()
-    yield enable_cpu_backend()
-    if not was_enabled:
-        disable_cpu_backend()
-
-
 def test_cuda_devices_become_cpu(cpu_backend):
     assert cpu_backend and enable_cpu_backend()  # idempotent
     assert torch.zeros(2, device="cuda").device.type == "cpu"

@@ -8,7 +8,6 @@ from functools import partial
 from typing import Optional
 
 import pytest
-import torch
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.testing import run_distributed
@@ -26,7 +25,12 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     make_samples,
     single_process_reference,
 )
-from megatron_dcp.testing.oracle import assert_step_matches, reference_cache  # noqa: E402
+from megatron_dcp.testing.oracle import (  # noqa: E402
+    adam_batches,
+    assert_step_matches,
+    assert_weights_match,
+    reference_cache,
+)
 
 # Lengths chosen so that plans mix CP sizes: with budget 64 on N = 4, 200 needs the whole domain,
 # 120 and 71 need 2 ranks, the rest fit one rank (test_groups_smaller_and_larger...).
@@ -134,15 +138,13 @@ def test_weights_after_three_adam_steps_equal_single_process():
     equal those of the single-process run (gradient scaling by the global token count). Adam
     turns float noise in near-zero gradients into full-size updates (m/√v), so weights agree to
     1e-4 absolute — each step moves them by up to the learning rate, 1e-2."""
-    lengths = [(37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2)]
-    batches = [make_samples(batch, OPTIONS.vocab_size, seed=s) for s, batch in enumerate(lengths)]
+    batches = adam_batches(OPTIONS.vocab_size)
     (expected,) = run_distributed(reference_training_run, 1, batches, OPTIONS, timeout_s=240)
     results = run_distributed(
         partial(dcp_training_run, cp=2, budget=64, options=OPTIONS), 4, batches, timeout_s=240
     )
     for weights in results:
-        for name, value in expected.items():
-            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-4, msg=name)
+        assert_weights_match(weights, expected)
 
 
 def test_mtp_step_with_cp_equals_single_process_loss(samples):

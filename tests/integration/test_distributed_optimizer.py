@@ -23,15 +23,10 @@ from megatron_dcp.testing.dcp import (  # noqa: E402
     reference_training_run,
     with_ddp_and_adam,
 )
-from megatron_dcp.testing.gpt import (  # noqa: E402
-    TinyGPTOptions,
-    build_tiny_gpt,
-    init_megatron,
-    make_samples,
-)
+from megatron_dcp.testing.gpt import TinyGPTOptions, build_tiny_gpt, init_megatron  # noqa: E402
+from megatron_dcp.testing.oracle import adam_batches, assert_weights_match  # noqa: E402
 
 OPTIONS = TinyGPTOptions(num_layers=2)
-LENGTHS = [(37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2)]
 
 
 def test_cpu_tensors_report_cuda_type_names_only_inside_the_mode():
@@ -62,7 +57,7 @@ def test_distributed_optimizer_shards_cpu_parameters_over_dp():
 
 @pytest.fixture(scope="module")
 def batches():
-    return [make_samples(batch, OPTIONS.vocab_size, seed=s) for s, batch in enumerate(LENGTHS)]
+    return adam_batches(OPTIONS.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -86,5 +81,4 @@ def test_weights_after_three_adam_steps_equal_single_process(
         dcp_training_run, tp=tp, cp=2, budget=budget, options=options, distributed_optimizer=True
     )
     for weights in run_distributed(run, 4, batches, timeout_s=240):
-        for name, value in expected.items():
-            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-4, msg=name)
+        assert_weights_match(weights, expected)

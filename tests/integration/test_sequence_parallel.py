@@ -9,11 +9,6 @@ import pytest
 import torch
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
-from megatron_dcp.integration.patches import (
-    cpu_backend_enabled,
-    disable_cpu_backend,
-    enable_cpu_backend,
-)
 from megatron_dcp.testing import run_distributed
 
 pytestmark = [
@@ -34,14 +29,6 @@ from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
 # of tokens, which only the ×TP padding of sequence parallelism makes divisible over TP.
 LENGTHS = (37, 5, 120, 63, 9, 200, 33, 71)
 OPTIONS = TinyGPTOptions(num_layers=2, sequence_parallel=True)
-
-
-@pytest.fixture
-def cpu_backend():
-    was_enabled = cpu_backend_enabled()
-    yield enable_cpu_backend()
-    if not was_enabled:
-        disable_cpu_backend()
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.domain import is_power_of_two
-from megatron_dcp.scheduling.draft import Item
+from megatron_dcp.scheduling.draft import Item, longest_first
 from megatron_dcp.scheduling.plan import CPGroup, MicroBatch
 from megatron_dcp.scheduling.registry import Scheduler
 
@@ -289,7 +289,3 @@ class DevGreedyPeer(Scheduler):
 def workload(seqlen: int, cp_size: int) -> float:
     """Upstream's per-rank workload estimate of one sequence: ``L² / c``."""
     return (seqlen * seqlen) / cp_size
-
-
-def longest_first(items: Sequence[Item]) -> List[Item]:
-    return sorted(items, key=lambda item: (-item.seqlen, item.sample_id))
