@@ -51,4 +51,5 @@ def build_forward_backward(
         dp_group=parallel_state.get_data_parallel_group(),
         domain_group=domain_group,
         tp_cp_groups=tp_cp_groups,
+        mtp_depth=model_config.mtp_num_layers or 0,
     )

@@ -28,6 +28,7 @@ from megatron_dcp.integration.config import DCPConfig, plan_with
 from megatron_dcp.integration.cost_models import predicted_step_time
 from megatron_dcp.integration.moe_groups import tp_cp_group_for
 from megatron_dcp.integration.patches.dcp import TP_CP_GROUP_ATTRIBUTE
+from megatron_dcp.integration.patches.mtp import MTP_RATIOS_ATTRIBUTE, mtp_token_ratios
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
@@ -84,6 +85,8 @@ class DCPForwardBackward:
     plan: Optional[Plan] = None
     # MoE with TP > 1: the TP × CP groups (``integration.moe_groups``), named in each micro-batch.
     tp_cp_groups: Optional[DCPGroups] = None
+    # MTP depth of the model: each micro-batch then names its global batch's MTP token ratios.
+    mtp_depth: int = 0
 
     def __call__(
         self,
@@ -122,6 +125,11 @@ class DCPForwardBackward:
         batches = [
             self.pack(plan, index, routed.samples, device) for index in range(plan.num_microbatches)
         ]
+        if self.mtp_depth:
+            masks = [sample["loss_mask"] for sample in samples]
+            ratios = mtp_token_ratios(masks, self.mtp_depth, self.dp_group, device)
+            for batch in batches:
+                setattr(batch["packed_seq_params"], MTP_RATIOS_ATTRIBUTE, ratios)
         stats = batch_stats(plan, plan_time, batches, routed.bytes_received, self.scheduler)
         self.stats.append(stats)
         self.plan = plan

@@ -220,10 +220,3 @@ def reference_training_run(
         finalize_model_grads(models, num_tokens=torch.tensor(num_tokens))
         optimizer.step()
     return full_weights(chunks)
-
-
-def mtp_losses(rank: int, world_size: int, samples: Sequence[Sample], **step: object) -> tuple:
-    """Main loss and token count of a DCP step of the tiny GPT with one MTP layer."""
-    options = TinyGPTOptions(num_layers=2, mtp_layers=1)
-    result = dcp_training_step(rank, world_size, samples, options=options, **step)
-    return result.loss_sum, result.num_tokens, result.cp_sizes

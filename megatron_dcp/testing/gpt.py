@@ -335,6 +335,7 @@ def packed_loss_and_backward(
         position_ids=packed.position_ids,
         attention_mask=None,
         labels=packed.labels,
+        loss_mask=packed.loss_mask,
         packed_seq_params=packed_seq_params_of(packed, None, dynamic=False),
     )
     loss = (losses * packed.loss_mask).sum()

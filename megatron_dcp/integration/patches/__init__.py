@@ -3,7 +3,8 @@
 Groups, applied by the functions below (each idempotent; each entry restorable):
 
 - ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, MoE router, TE
-  attention), and the timer of megatron's backward steps;
+  attention), the MTP loss weighted by global token counts, and the timer of megatron's
+  backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
@@ -32,6 +33,7 @@ from megatron_dcp.integration.patches.dcp import (
     switching,
     te_attention_forward,
 )
+from megatron_dcp.integration.patches.mtp import MTP_PATCHES
 from megatron_dcp.integration.patches.pipeline import PIPELINE_PATCHES
 from megatron_dcp.integration.patches.table import (
     Entry,
@@ -49,6 +51,7 @@ PATCHES: Tuple[Entry, ...] = (
     *CPU_BACKEND_PATCHES,
     *CPU_TRAINING_PATCHES,
     *DCP_PATCHES,
+    *MTP_PATCHES,
     *TIMING_PATCHES,
     *PIPELINE_PATCHES,
 )

@@ -1,0 +1,93 @@
+"""MTP under DCP equals the single-process run: the main loss, and every gradient, MTP heads and
+the layers they feed included.
+
+megatron weighs each MTP depth of a micro-batch by that micro-batch's own token ratio, so its
+MTP gradient depends on the packing. With DCP the ratio is the global batch's
+(``integration.patches.mtp``): the gradient of one plan equals that of one micro-batch holding
+the whole batch without CP, which megatron's own rule computes in a single process. That run is
+the reference here (one packed micro-batch, no CP, megatron's ``process_mtp_loss``)."""
+
+from functools import partial
+
+import pytest
+
+from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+
+from megatron_dcp.integration.patches import mtp as mtp_patch  # noqa: E402
+from megatron_dcp.testing.dcp import dcp_training_step  # noqa: E402
+from megatron_dcp.testing.gpt import (  # noqa: E402
+    ReferenceResult,
+    TinyGPTOptions,
+    build_tiny_gpt,
+    gather_full_tensors,
+    init_megatron,
+    make_samples,
+    packed_loss_and_backward,
+)
+from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
+
+# With budget 64 on N = 4: 200 needs the whole domain, 120 and 71 two ranks, the rest one.
+LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71)
+
+
+def options(depth: int) -> TinyGPTOptions:
+    return TinyGPTOptions(num_layers=2, mtp_layers=depth)
+
+
+def one_microbatch_reference(rank: int, world_size: int, samples, depth: int) -> ReferenceResult:
+    """The whole batch as one packed micro-batch, one process, no CP."""
+    init_megatron(seed=options(depth).seed)
+    (model,) = build_tiny_gpt(options=options(depth))
+    loss, num_tokens = packed_loss_and_backward(model, samples)
+    return ReferenceResult(float(loss), num_tokens, gather_full_tensors([model]))
+
+
+def dcp_step(rank: int, world_size: int, samples, depth: int, cp: int, megatron_rule: bool):
+    """A DCP step; ``megatron_rule``: without the MTP patch (megatron's per-micro-batch ratio)."""
+    if megatron_rule:  # the patch looks for another attribute: megatron's function runs
+        mtp_patch.MTP_RATIOS_ATTRIBUTE = "not_set_by_the_wrapper"
+    return dcp_training_step(rank, world_size, samples, cp=cp, budget=64, options=options(depth))
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return make_samples(LENGTHS, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(samples):
+    cache = {}
+
+    def run(depth: int) -> ReferenceResult:
+        if depth not in cache:
+            (cache[depth],) = run_distributed(one_microbatch_reference, 1, samples, depth)
+        return cache[depth]
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "depth,cp", [(1, 2), (2, 2), (2, 4)], ids=["d1-dp2cp2", "d2-dp2cp2", "d2-cp4"]
+)
+def test_mtp_gradients_equal_single_process(samples, reference, depth, cp):
+    """Loss, token count and every gradient within the oracle's tolerances; the plan mixes CP
+    sizes (a whole-domain group beside smaller ones)."""
+    step = partial(dcp_step, depth=depth, cp=cp, megatron_rule=False)
+    for result in run_distributed(step, 4, samples, timeout_s=180):
+        assert 4 in result.cp_sizes and len(result.cp_sizes) > 1
+        assert_step_matches(result, reference(depth))
+        assert any(name.startswith("mtp.") for name in result.grads)
+
+
+def test_megatron_rule_depends_on_the_packing(samples, reference):
+    """Without the patch, megatron's per-micro-batch ratio gives other MTP gradients: the test
+    above would catch a DCP step that lost the global ratio."""
+    step = partial(dcp_step, depth=1, cp=2, megatron_rule=True)
+    result = run_distributed(step, 4, samples, timeout_s=180)[0]
+    expected = reference(1)
+    assert result.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
+    with pytest.raises(AssertionError):
+        assert_step_matches(result, expected)
