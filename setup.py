@@ -37,6 +37,7 @@ setup(
         "console_scripts": [
             "megatron-dcp=megatron_dcp.tools.cli:main",
             "megatron-dcp-pretrain-gpt=megatron_dcp.pretrain_gpt:main",
+            "megatron-dcp-pretrain-mamba=megatron_dcp.pretrain_mamba:main",
         ]
     },
     classifiers=[

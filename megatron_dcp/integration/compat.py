@@ -8,7 +8,7 @@ every feature with its status: tested, refused here, or GPU only.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from megatron_dcp.integration.config import DCP_FLAG
 from megatron_dcp.integration.patches.table import NO_CUDA, TE_INSTALLED
@@ -146,3 +146,21 @@ def _cpu_backend(cpu_backend: Optional[bool]) -> bool:
 
 def _te_available(te_available: Optional[bool]) -> bool:
     return TE_INSTALLED.holds() if te_available is None else te_available
+
+
+def check_mamba_cp(nheads: int, ngroups: int, tp: int, cp_sizes: Sequence[int]) -> None:
+    """Mamba layers under CP: each TP rank's heads are split over the CP group, and its B/C
+    groups either split over it or repeated across it (megatron's ``MambaContextParallel``), for
+    every CP size ``cp_sizes`` a plan may use."""
+    heads, groups = nheads // tp, max(ngroups // tp, 1)
+    for size in cp_sizes:
+        if heads % size == 0 and (groups % size == 0 or size % groups == 0):
+            continue
+        raise ValueError(
+            f"--hybrid-layer-pattern has Mamba layers, whose CP all-to-alls need the Mamba heads "
+            f"per TP rank ({nheads} heads / TP {tp} = {heads}) divisible by every CP size a plan "
+            f"may use ({', '.join(map(str, cp_sizes))}) and the groups per TP rank ({groups}) "
+            f"to divide it or be divided by it; CP size {size} fails. Raise --mamba-num-heads "
+            "(or lower --mamba-head-dim), shrink the DP×CP domain, or plan static CP with "
+            "--sequence-packing-scheduler dp_balanced (only --context-parallel-size is used)."
+        )

@@ -96,3 +96,59 @@ def test_dcp_flags_parse_with_upstream_names():
         ]
     )
     assert parsed.dynamic_context_parallel and parsed.min_dynamic_context_parallel_size == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# pretrain_mamba: a layer pattern, and CP sizes the Mamba layers admit
+# ------------------------------------------------------------------------------------------------
+
+# hidden 64, head dim 16: 8 Mamba heads; 2 groups. The domain (dp 2 × cp 4) has groups of 1-8.
+HYBRID = dict(
+    hybrid_layer_pattern="M*M-", mamba_num_heads=None, mamba_head_dim=16, mamba_num_groups=2
+)
+
+
+@pytest.fixture(scope="module")
+def pretrain_mamba():
+    from megatron_dcp import pretrain_mamba
+
+    return pretrain_mamba
+
+
+def test_hybrid_flags_pass(pretrain_mamba):
+    config = pretrain_mamba.check_hybrid_args(args(**HYBRID))
+    assert pretrain_mamba.plan_cp_sizes(args(**HYBRID), config) == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(hybrid_layer_pattern=None), "--hybrid-layer-pattern"),
+        (dict(mamba_num_heads=4), r"4 heads / TP 1 = 4\) .*CP size 8 fails"),
+        (dict(mamba_head_dim=32, tensor_model_parallel_size=2), r"TP 2 = 2\) .*CP size 4 fails"),
+        (dict(mamba_num_groups=3, mamba_num_heads=24), r"groups per TP rank \(3\).*size 2 fails"),
+    ],
+)
+def test_hybrid_flags_rejected_before_training(pretrain_mamba, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        pretrain_mamba.check_hybrid_args(args(**{**HYBRID, **overrides}))
+
+
+def test_static_cp_only_checks_the_static_size(pretrain_mamba):
+    """dp_balanced gives every sequence --context-parallel-size ranks: 4 heads suffice at cp 4."""
+    static = args(
+        **{
+            **HYBRID,
+            "mamba_num_heads": 4,
+            "sequence_packing_scheduler": "dp_balanced",
+            "seq_length": 512,
+        }
+    )
+    config = pretrain_mamba.check_hybrid_args(static)
+    assert pretrain_mamba.plan_cp_sizes(static, config) == (4,)
+
+
+def test_attention_only_pattern_has_no_mamba_constraint(pretrain_mamba):
+    pretrain_mamba.check_hybrid_args(
+        args(**{**HYBRID, "hybrid_layer_pattern": "*-*-", "mamba_num_heads": 1})
+    )

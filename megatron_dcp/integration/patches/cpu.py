@@ -11,6 +11,7 @@ from typing import Any, Callable, Tuple
 import torch
 
 from megatron_dcp.integration.cpu import backend
+from megatron_dcp.integration.cpu.hybrid import THD_INDICES, local_norm
 from megatron_dcp.integration.cpu.moe import split_sizes_as_numpy
 from megatron_dcp.integration.cpu.parallel import cuda_type_names, sequence_parallel_norm
 from megatron_dcp.integration.cpu.training import clip_grad_by_total_norm_cpu
@@ -103,6 +104,33 @@ CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
         "converts only CUDA tensors; CPU tensors as split sizes make all_to_all_single raise a "
         "TypeError with expert parallelism > 1.",
         lambda owner, original: split_sizes_as_numpy(original),
+        NO_CUDA,
+    ),
+    Patch(
+        "hybrid_final_norm",
+        "cpu_backend",
+        ("megatron.core.models.hybrid.hybrid_block:TENorm",),
+        "HybridStack builds its final norm with TENorm whatever the layer spec, which needs "
+        "Transformer Engine: megatron's local norm of the same type instead.",
+        _stand_in(local_norm),
+        NO_CUDA,
+    ),
+    Patch(
+        "mamba_cp_thd_indices",
+        "cpu_backend",
+        ("megatron.core.ssm.mamba_context_parallel:tex",),
+        "Mamba's CP all-to-alls reorder packed (THD) sequences with Transformer Engine's "
+        "thd_get_partitioned_indices: the same indices from the runtime's zigzag layout.",
+        _stand_in(THD_INDICES),
+        NO_CUDA,
+    ),
+    Patch(
+        "mamba_cp_te_version",
+        "cpu_backend",
+        ("megatron.core.ssm.mamba_context_parallel:is_te_min_version",),
+        "Mamba's CP all-to-alls assert Transformer Engine ≥ 1.10 before they reorder THD "
+        "sequences; with the stand-in indices the check holds.",
+        _stand_in(lambda version, check_equality=True: True),
         NO_CUDA,
     ),
 )

@@ -1,0 +1,143 @@
+"""What the DCP training entry points share (``pretrain_gpt``, ``pretrain_mamba``): megatron's
+arguments with the DCP flags, the checks before the first step, the variable-length datasets,
+and the run itself on ``megatron.training.pretrain``.
+
+An entry point enables the CPU backend (``patches.enable_cpu_training``) before it imports this
+module: megatron.training must see the stand-ins when it is first imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, List, Optional
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.training import get_args, pretrain
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import print_rank_0, print_rank_last
+
+from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args
+from megatron_dcp.integration.cost_models import describe_cost
+from megatron_dcp.integration.cpu.training import cpu_notice
+from megatron_dcp.integration.data.datasets import build_varlen_datasets
+from megatron_dcp.integration.gpt_step import forward_step
+from megatron_dcp.integration.patches import apply_patches
+from megatron_dcp.integration.training import install_dcp_schedule
+
+
+def on_cpu() -> bool:
+    """The CPU backend runs (no CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+# On CPU: gloo, the local implementation, and no fusions that need CUDA kernels (TE RoPE,
+# APEX gradient accumulation, persistent layer norm). Explicit flags still win.
+CPU_DEFAULTS = {
+    "distributed_backend": "gloo",
+    "transformer_impl": "local",
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "no_persist_layer_norm": True,
+    "attention_dropout": 0.0,  # the reference attention has no dropout
+}
+
+
+def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentParser], Any]:
+    """megatron's ``extra_args_provider``: the DCP flags, per-token loss on (DCP needs it), the
+    CPU defaults when CUDA is absent, and, when ``argv`` is given (tests, programmatic runs),
+    a parser that reads ``argv`` instead of ``sys.argv``."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        add_dcp_args(parser)
+        parser.set_defaults(calculate_per_token_loss=True, **(CPU_DEFAULTS if on_cpu() else {}))
+        return parser if argv is None else ArgvParser(parser, argv)
+
+    return provide
+
+
+class ArgvParser:
+    """A parser whose ``parse_args`` / ``parse_known_args`` read a given argument list."""
+
+    def __init__(self, parser: argparse.ArgumentParser, argv: List[str]) -> None:
+        self.parser, self.argv = parser, list(argv)
+
+    def parse_args(self) -> argparse.Namespace:
+        return self.parser.parse_args(self.argv)
+
+    def parse_known_args(self) -> Any:
+        return self.parser.parse_known_args(self.argv)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """megatron's arguments plus the DCP flags; ``argv`` defaults to the command line."""
+    return parse_and_validate_args(extra_args_provider=extra_args(argv))
+
+
+def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConfig:
+    """Every DCP setting checked before the first step (ValueErrors naming the flag)."""
+    if not args.dynamic_context_parallel:
+        raise ValueError(
+            f"megatron_dcp.{entry} trains with {DCP_FLAG}: add it (with "
+            "--sequence-packing-scheduler dp_balanced for the static-CP baseline)."
+        )
+    if not args.calculate_per_token_loss:
+        raise ValueError(
+            f"{DCP_FLAG} needs --calculate-per-token-loss (it is on by default here; something "
+            "turned it off): sums of per-token losses divided by the global token count are the "
+            "only loss that stays right when ranks run different CP groups."
+        )
+    config = DCPConfig.from_args(args)
+    check_domain(args, config)
+    return config
+
+
+def check_domain(args: argparse.Namespace, config: DCPConfig) -> None:
+    """The DP×CP domain admits the configuration, and the longest possible sample fits it."""
+    domain = config.build_scheduler(args.data_parallel_size * args.context_parallel_size).domain
+    static = config.scheduler == "dp_balanced"
+    capacity = (domain.cp_size if static else domain.size) * domain.budget
+    if args.seq_length > capacity:
+        raise ValueError(
+            f"--seq-length={args.seq_length}: samples may be that long, but the DP×CP domain "
+            f"holds at most {capacity} tokens per sequence with {config.scheduler} "
+            f"(--max-seqlen-per-dp-cp-rank={config.max_seqlen_per_dp_cp_rank}, dp "
+            f"{args.data_parallel_size} × cp {args.context_parallel_size}). Lower --seq-length "
+            "or raise --max-seqlen-per-dp-cp-rank."
+        )
+
+
+def datasets_provider(train_val_test_num_samples: List[int], vp_stage: Optional[int] = None) -> Any:
+    """megatron's dataset provider: variable-length samples, one sequence each. With VPP megatron
+    asks once per model chunk; the DCP wrapper reads the samples from the first chunk's."""
+    args = get_args()
+    return build_varlen_datasets(
+        seq_length=args.seq_length,
+        vocab_size=args.padded_vocab_size or args.vocab_size,
+        seed=args.seed,
+        num_samples=train_val_test_num_samples,
+        distribution=args.varlen_distribution,
+        lengths_file=args.varlen_lengths_file,
+        data_path=args.data_path,
+        split=args.split,
+    )
+
+
+# Every rank builds its datasets: each rank feeds the DCP wrapper (tensor-parallel ranks too).
+datasets_provider.is_distributed = True
+
+
+def train(args: argparse.Namespace, config: DCPConfig, model_config: Any) -> None:
+    """megatron's ``pretrain`` of ``model_config`` under DCP, after :func:`check_args`."""
+    if on_cpu():
+        print_rank_0(cpu_notice())
+    print_rank_0(describe_cost(config.cost_model))
+    apply_patches()
+    install_dcp_schedule(config, log=print_rank_last)
+    pretrain(
+        pretrain_cfg_container_from_args(args, model_config),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
