@@ -201,6 +201,7 @@ def packed_seq_params_of(packed: PackedMicroBatch, cp_group: Any, dynamic: bool 
         max_seqlen_kv=packed.max_seqlen,
         local_cp_size=packed.cp_size if dynamic else None,
         cp_group=cp_group if dynamic and packed.cp_size > 1 else None,
+        total_tokens=int(packed.cu_seqlens_padded[-1]),  # Mamba's seq_idx: no state crosses
     )
 
 

@@ -23,10 +23,12 @@ from megatron_dcp.integration.patches import enable_cpu_backend
 from megatron_dcp.integration.schedule import packed_seq_params_of
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple
 from megatron_dcp.testing.distributed import run_distributed
+from megatron_dcp.testing.hybrid import build_hybrid_chunk, mamba_fields
 from megatron_dcp.testing.moe import (
     global_expert_name,
     gradient_sum_group,
     merge_expert_parallel,
+    moe_fields,
     tensor_parallel_group,
 )
 
@@ -53,6 +55,7 @@ class TinyGPTOptions:
     vocab_size: int = 128
     max_sequence_length: int = 512
     mtp_layers: int = 0
+    hybrid_layer_pattern: Optional[str] = None  # e.g. "M*M-": megatron's HybridModel (hybrid.py)
     seed: int = 1234
     sequence_parallel: bool = False  # applies when tp > 1 (the reference runs without it)
     # Activation recomputation (TransformerConfig's fields of the same names; None: off).
@@ -132,29 +135,9 @@ def tiny_gpt_config(
         recompute_num_layers=options.recompute_num_layers,
         recompute_modules=_listed(options.recompute_modules),
         add_bias_linear=options.add_bias_linear,
-        **_moe_fields(options),
+        **moe_fields(options),
+        **mamba_fields(options),
     )
-
-
-def _moe_fields(options: TinyGPTOptions) -> dict:
-    """TransformerConfig's MoE fields (none for a dense model); EP, ETP from the initialised
-    state."""
-    if not options.num_moe_experts:
-        return {}
-    return dict(
-        num_moe_experts=options.num_moe_experts,
-        moe_router_topk=options.moe_router_topk,
-        moe_router_load_balancing_type=_listed_or_str(options.moe_router_load_balancing_type),
-        moe_aux_loss_coeff=_listed_or_str(options.moe_aux_loss_coeff),
-        moe_z_loss_coeff=options.moe_z_loss_coeff,
-        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
-    )
-
-
-def _listed_or_str(value):
-    """Per-type MoE settings are lists in TransformerConfig, tuples in the hashable options."""
-    return list(value) if isinstance(value, tuple) else value
 
 
 def _listed(values: Optional[Sequence[str]]) -> Optional[list[str]]:
@@ -190,6 +173,8 @@ def _vp_stages(vpp: Optional[int]) -> list[Optional[int]]:
 def _build_chunk(
     config: TransformerConfig, options: TinyGPTOptions, stage: Optional[int]
 ) -> GPTModel:
+    if options.hybrid_layer_pattern:
+        return build_hybrid_chunk(config, options, stage)
     ignore_virtual = stage is None
     layer_spec = reference_layer_spec(num_experts=options.num_moe_experts, moe_grouped_gemm=False)
     mtp_spec = None

@@ -69,3 +69,24 @@ def merge_expert_parallel(local: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         for name, tensor in part.items():
             merged.setdefault(name, tensor)
     return merged
+
+
+def moe_fields(options: Any) -> dict:
+    """TransformerConfig's MoE fields (none for a dense model); EP, ETP from the initialised
+    state."""
+    if not options.num_moe_experts:
+        return {}
+    return dict(
+        num_moe_experts=options.num_moe_experts,
+        moe_router_topk=options.moe_router_topk,
+        moe_router_load_balancing_type=listed_or_str(options.moe_router_load_balancing_type),
+        moe_aux_loss_coeff=listed_or_str(options.moe_aux_loss_coeff),
+        moe_z_loss_coeff=options.moe_z_loss_coeff,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def listed_or_str(value):
+    """Per-type MoE settings are lists in TransformerConfig, tuples in the hashable options."""
+    return list(value) if isinstance(value, tuple) else value

@@ -20,9 +20,14 @@ from megatron_dcp.testing.gpt import (
 ADAM_LENGTHS = ((37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2))
 
 
-def assert_step_matches(result: DCPStepResult, reference: ReferenceResult) -> None:
+def assert_step_matches(
+    result: DCPStepResult, reference: ReferenceResult, scaled_atol: bool = False
+) -> None:
     """Token count exact, summed loss within 1e-5 relative, every gradient within rtol 1e-4 /
-    atol 1e-5: the tolerances of fp32 sums taken in another order (packing, CP, TP)."""
+    atol 1e-5: the tolerances of fp32 sums taken in another order (packing, CP, TP).
+    ``scaled_atol``: atol 1e-5 × the tensor's largest gradient (≥ 1), for models whose
+    gradients reach hundreds (the Mamba scan): small entries of a large tensor then carry the
+    large entries' rounding."""
     assert result.num_tokens == reference.num_tokens, (result.num_tokens, reference.num_tokens)
     assert math.isclose(result.loss_sum, reference.loss_sum, rel_tol=1e-5), (
         result.loss_sum,
@@ -30,7 +35,8 @@ def assert_step_matches(result: DCPStepResult, reference: ReferenceResult) -> No
     )
     assert result.grads.keys() == reference.grads.keys()
     for name, grad in reference.grads.items():
-        torch.testing.assert_close(result.grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        atol = 1e-5 * max(1.0, float(grad.abs().max())) if scaled_atol else 1e-5
+        torch.testing.assert_close(result.grads[name], grad, rtol=1e-4, atol=atol, msg=name)
 
 
 def reference_cache(samples: Sequence[Sample]) -> Callable[[TinyGPTOptions], ReferenceResult]:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Tuple
 
 import torch
 
-from megatron_dcp.integration.cpu import backend
+from megatron_dcp.integration.cpu import backend, mamba_kernels
 from megatron_dcp.integration.cpu.hybrid import THD_INDICES, local_norm
 from megatron_dcp.integration.cpu.moe import split_sizes_as_numpy
 from megatron_dcp.integration.cpu.parallel import cuda_type_names, sequence_parallel_norm
@@ -45,6 +45,39 @@ _RNG = (
 )
 _STREAM_ATTRS = ("synchronize", "Stream", "Event", "current_stream", "default_stream", "stream")
 _RNG_ATTRS = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all")
+
+_MIXER = "megatron.core.ssm.mamba_mixer"
+_KERNELS = (
+    "MambaMixer trains with the CUDA kernels of mamba_ssm and causal_conv1d (imported as None "
+    "without them, and refused at construction): the pure-torch reference kernels instead."
+)
+
+
+MAMBA_KERNEL_PATCHES: Tuple[Patch, ...] = (
+    *(
+        Patch(f"mamba_{name}", "cpu_backend", (f"{_MIXER}:{name}",), _KERNELS, replace, NO_CUDA)
+        for name, replace in (
+            ("HAVE_MAMBA_SSM", _stand_in(True)),
+            ("causal_conv1d_fn", _stand_in(mamba_kernels.causal_conv1d_fn)),
+            ("mamba_chunk_scan_combined", _stand_in(mamba_kernels.mamba_chunk_scan_combined)),
+            (
+                "mamba_split_conv1d_scan_combined",
+                _stand_in(mamba_kernels.mamba_split_conv1d_scan_combined),
+            ),
+            ("RMSNormGated", _stand_in(mamba_kernels.RMSNormGated)),
+            ("ExtendedRMSNorm", _stand_in(mamba_kernels.ShardedRMSNormGated)),
+        )
+    ),
+    Patch(
+        "mamba_kernel_versions",
+        "cpu_backend",
+        (f"{_MIXER}:is_mamba_min_version", f"{_MIXER}:is_causal_conv1d_min_version"),
+        "MambaMixer checks the mamba_ssm / causal_conv1d versions before it packs sequences; "
+        "the reference kernels support packing (seq_idx).",
+        _stand_in(lambda version, check_equality=True: True),
+        NO_CUDA,
+    ),
+)
 
 CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
     ModePatch(
@@ -133,6 +166,7 @@ CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
         _stand_in(lambda version, check_equality=True: True),
         NO_CUDA,
     ),
+    *MAMBA_KERNEL_PATCHES,
 )
 
 
