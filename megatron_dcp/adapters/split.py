@@ -15,6 +15,11 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megatron_dcp.integration.config import DCPConfig, plan_with
+from megatron_dcp.integration.patches.mtp import (
+    MTP_RATIOS_ATTRIBUTE,
+    loss_token_counts,
+    token_ratios,
+)
 from megatron_dcp.integration.schedule import (
     Batch,
     as_sample,
@@ -91,13 +96,16 @@ def split_batch(
     groups: DCPGroups,
     config: DCPConfig,
     plan: Optional[Plan] = None,
+    mtp_depth: int = 0,
 ) -> SplitBatch:
     """This rank's micro-batches of a mini-batch that every rank holds in full.
 
     ``samples``: dicts with 1-D (or ``[1, L]``) ``tokens``, ``labels``, ``loss_mask``; sample id =
     index. ``groups``: the DCP process groups (``integration.dcp.create_dcp_groups`` in megatron,
     whose domain is the DP×CP group). ``plan``: a plan computed ahead (e.g. for the next
-    mini-batch, off the critical path); by default it is computed here.
+    mini-batch, off the critical path); by default it is computed here. ``mtp_depth``: the
+    model's MTP layers; each micro-batch then names the mini-batch's MTP token ratios, so the
+    MTP loss is weighted by global token counts (``integration.patches.mtp``).
     """
     clean = [as_sample(sample) for sample in samples]
     seqlens = [int(sample["tokens"].numel()) for sample in clean]
@@ -108,6 +116,10 @@ def split_batch(
         _rank_microbatch(index, group, clean, groups, config)
         for index, group in enumerate(_groups_of(plan, groups.position))
     )
+    if mtp_depth:
+        ratios = token_ratios(loss_token_counts([s["loss_mask"] for s in clean], mtp_depth))
+        for microbatch in microbatches:
+            setattr(microbatch.packed_seq_params, MTP_RATIOS_ATTRIBUTE, ratios)
     return SplitBatch(plan, config, groups.position, microbatches, global_num_tokens(clean))
 
 

@@ -1,4 +1,5 @@
-"""Functional test cases: full training runs of ``megatron_dcp.pretrain_gpt`` against goldens.
+"""Functional test cases: full training runs of ``megatron_dcp.pretrain_gpt`` (or, with
+``entry: pretrain_mamba``, of the hybrid Mamba entry point) against goldens.
 
 A case is a folder of ``functional_tests/test_cases``: ``model_config.yaml`` (the job: ``nproc``,
 ``train_iters``, ``save_interval`` and the ``model_args`` flags) and ``golden_values.json`` (the
@@ -32,6 +33,7 @@ class FunctionalCase:
     train_iters: int
     save_interval: int
     model_args: Dict[str, object]
+    entry: str = "pretrain_gpt"  # the training module: pretrain_gpt or pretrain_mamba
 
     @property
     def golden_path(self) -> Path:
@@ -45,7 +47,12 @@ class FunctionalCase:
 def load_case(name: str) -> FunctionalCase:
     config = yaml.safe_load((CASES_DIR / name / "model_config.yaml").read_text())
     return FunctionalCase(
-        name, config["nproc"], config["train_iters"], config["save_interval"], config["model_args"]
+        name,
+        config["nproc"],
+        config["train_iters"],
+        config["save_interval"],
+        config["model_args"],
+        config.get("entry", "pretrain_gpt"),
     )
 
 
@@ -72,7 +79,7 @@ def run_case(
         options.update({"--save": save, "--save-interval": case.save_interval})
     if load is not None:
         options.update({"--load": load, "--ckpt-step": ckpt_step})
-    return run_pretrain(flag_list(options), case.nproc, workdir / f"{label}.log")
+    return run_pretrain(flag_list(options), case.nproc, workdir / f"{label}.log", entry=case.entry)
 
 
 def write_goldens(case: FunctionalCase, log: RunLog) -> None:

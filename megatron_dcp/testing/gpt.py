@@ -236,8 +236,11 @@ def _full_init(global_name: str, shape: list[int], seed: int) -> torch.Tensor:
 def _tp_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    group = tensor_parallel_group(param)
-    return full.chunk(dist.get_world_size(group), dim=param.partition_dim)[dist.get_rank(group)]
+    group, dim = tensor_parallel_group(param), param.partition_dim
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    blocks = getattr(param, "partition_sizes", None)  # Mamba: each block split over TP
+    parts = full.split([b * size for b in blocks], dim) if blocks else [full]
+    return torch.cat([part.chunk(size, dim)[rank] for part in parts], dim)
 
 
 @torch.no_grad()
@@ -262,7 +265,11 @@ def _gather_tp(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     group = tensor_parallel_group(param)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+    dim, blocks = param.partition_dim, getattr(param, "partition_sizes", None)
+    if not blocks:
+        return torch.cat(parts, dim)
+    split = [part.split(blocks, dim) for part in parts]
+    return torch.cat([torch.cat(column, dim) for column in zip(*split)], dim)
 
 
 def _sum_sequence_parallel(grad: torch.Tensor, param: torch.Tensor) -> None:

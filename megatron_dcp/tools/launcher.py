@@ -78,11 +78,12 @@ def run_pretrain(
     log_path: Optional[Path] = None,
     timeout_s: float = 900.0,
     port: Optional[int] = None,
+    entry: str = "pretrain_gpt",
 ) -> RunLog:
-    """Run ``torchrun --standalone --nproc-per-node nproc -m megatron_dcp.pretrain_gpt args``."""
+    """Run ``torchrun --standalone --nproc-per-node nproc -m megatron_dcp.<entry> args``."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     command += ["--standalone"] if port is None else ["--master-port", str(port)]
-    command += ["-m", "megatron_dcp.pretrain_gpt", *args]
+    command += ["-m", f"megatron_dcp.{entry}", *args]
     done = subprocess.run(
         command,
         env=worker_env(),

@@ -5,17 +5,20 @@ megatron weighs each MTP depth of a micro-batch by that micro-batch's own token 
 MTP gradient depends on the packing. With DCP the ratio is the global batch's
 (``integration.patches.mtp``): the gradient of one plan equals that of one micro-batch holding
 the whole batch without CP, which megatron's own rule computes in a single process. That run is
-the reference here (one packed micro-batch, no CP, megatron's ``process_mtp_loss``)."""
+the reference here (one packed micro-batch, no CP, megatron's ``process_mtp_loss``), for the DCP
+step and for the RL adapter's loop."""
 
 from functools import partial
 
 import pytest
+import torch
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
+from megatron_dcp.integration.patches import apply_patches  # noqa: E402
 from megatron_dcp.integration.patches import mtp as mtp_patch  # noqa: E402
 from megatron_dcp.testing.dcp import dcp_training_step  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
@@ -91,3 +94,49 @@ def test_megatron_rule_depends_on_the_packing(samples, reference):
     assert result.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
     with pytest.raises(AssertionError):
         assert_step_matches(result, expected)
+
+
+def adapter_step(rank: int, world_size: int, samples, depth: int):
+    """The RL adapter's loop (every rank holds the whole batch) on cp2·dp2: the mini-batch
+    token count and the full gradients of the token-mean loss, MTP weighted like the main loss."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from megatron_dcp.adapters import split_batch, token_mean_loss
+    from megatron_dcp.adapters.loss import split_loss_scale
+    from megatron_dcp.integration.config import DCPConfig
+    from megatron_dcp.integration.dcp import create_dcp_groups
+
+    init_megatron(cp=2, seed=options(depth).seed)
+    apply_patches()
+    (model,) = build_tiny_gpt(cp=2, options=options(depth))
+    groups = create_dcp_groups()
+    split = split_batch(samples, groups, DCPConfig.for_model(model.config, 64), mtp_depth=depth)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(split_loss_scale(split)))
+    for mb in split.microbatches:
+        packed = mb.packed
+        losses = model(
+            input_ids=packed.tokens,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            labels=packed.labels,
+            loss_mask=packed.loss_mask,
+            packed_seq_params=mb.packed_seq_params,
+        )
+        token_mean_loss(losses, mb, split).backward()
+    grads = gather_full_tensors([model])
+    groups.destroy()
+    return split.num_tokens, {mb.local_cp_size for mb in split.microbatches}, grads
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_rl_adapter_mtp_gradients_equal_single_process(samples, reference, depth):
+    """The adapter's token-mean gradients, times the token count, are the reference's sums."""
+    expected = reference(depth)
+    for num_tokens, cp_sizes, grads in run_distributed(
+        partial(adapter_step, depth=depth), 4, samples, timeout_s=180
+    ):
+        assert num_tokens == expected.num_tokens and len(cp_sizes) > 1
+        for name, grad in expected.grads.items():
+            torch.testing.assert_close(
+                grads[name] * num_tokens, grad, rtol=1e-4, atol=1e-5, msg=name
+            )

@@ -54,6 +54,12 @@ def mtp_token_ratios(
     DP rank before routing); a depth without loss tokens gets ratio 0."""
     counts = loss_token_counts(loss_masks, depth).to(device)
     torch.distributed.all_reduce(counts, group=dp_group)
+    return token_ratios(counts)
+
+
+def token_ratios(counts: torch.Tensor) -> Tuple[float, ...]:
+    """``(N / N_1, ..., N / N_depth)`` of the counts ``[N, N_1, ...]`` of a whole global batch
+    (0 for a depth without loss tokens)."""
     total, rolled = float(counts[0]), counts[1:].tolist()
     return tuple(total / n if n > 0 else 0.0 for n in rolled)
 
