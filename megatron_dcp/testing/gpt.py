@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import zlib
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -322,17 +322,24 @@ def packed_loss_and_backward(
     cp_group = parallel_state.get_context_parallel_group()
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     packed = pack_samples(samples, cp_size, cp_rank, padding_multiple(cp_size, tp))
-    losses = model(
+    losses = packed_token_losses(model, packed, packed_seq_params_of(packed, None, dynamic=False))
+    loss = (losses * packed.loss_mask).sum()
+    loss.backward()
+    return loss.detach(), packed.num_tokens
+
+
+def packed_token_losses(
+    model: torch.nn.Module, packed: Any, packed_seq_params: Any
+) -> torch.Tensor:
+    """Per-token losses ``[1, T_local]`` of one packed micro-batch (``PackedMicroBatch``)."""
+    return model(
         input_ids=packed.tokens,
         position_ids=packed.position_ids,
         attention_mask=None,
         labels=packed.labels,
         loss_mask=packed.loss_mask,
-        packed_seq_params=packed_seq_params_of(packed, None, dynamic=False),
+        packed_seq_params=packed_seq_params,
     )
-    loss = (losses * packed.loss_mask).sum()
-    loss.backward()
-    return loss.detach(), packed.num_tokens
 
 
 def unpacked_token_losses(model: torch.nn.Module, sample: Sample) -> torch.Tensor:

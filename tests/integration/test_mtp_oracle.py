@@ -29,6 +29,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     init_megatron,
     make_samples,
     packed_loss_and_backward,
+    packed_token_losses,
 )
 from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
 
@@ -113,15 +114,7 @@ def adapter_step(rank: int, world_size: int, samples, depth: int):
     split = split_batch(samples, groups, DCPConfig.for_model(model.config, 64), mtp_depth=depth)
     MTPLossAutoScaler.set_loss_scale(torch.tensor(split_loss_scale(split)))
     for mb in split.microbatches:
-        packed = mb.packed
-        losses = model(
-            input_ids=packed.tokens,
-            position_ids=packed.position_ids,
-            attention_mask=None,
-            labels=packed.labels,
-            loss_mask=packed.loss_mask,
-            packed_seq_params=mb.packed_seq_params,
-        )
+        losses = packed_token_losses(model, mb.packed, mb.packed_seq_params)
         token_mean_loss(losses, mb, split).backward()
     grads = gather_full_tensors([model])
     groups.destroy()

@@ -40,6 +40,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     gather_full_tensors,
     init_megatron,
     make_samples,
+    packed_token_losses,
     unpacked_token_losses,
 )
 
@@ -69,18 +70,6 @@ class Reference:
     grads: dict = field(repr=False)  # of the token-mean loss
 
 
-def model_forward(model, packed, packed_seq_params) -> torch.Tensor:
-    """Per-token loss ``[1, T_local]`` of one packed micro-batch."""
-    return model(
-        input_ids=packed.tokens,
-        position_ids=packed.position_ids,
-        attention_mask=None,
-        labels=packed.labels,
-        loss_mask=packed.loss_mask,
-        packed_seq_params=packed_seq_params,
-    )
-
-
 def adapter_step(
     rank: int, world_size: int, samples: Sequence[Sample], cp: int, budget: int
 ) -> RankResult:
@@ -95,7 +84,7 @@ def adapter_step(
     log_probs = []
     for mb in split.microbatches:
         assert_shards_like_packing(samples, split, mb.index)
-        losses = model_forward(model, mb.packed, mb.packed_seq_params)
+        losses = packed_token_losses(model, mb.packed, mb.packed_seq_params)
         token_mean_loss(losses, mb, split).backward()
         log_probs.append(-losses.detach())
     merged = merge_outputs(log_probs, split, groups)
@@ -295,7 +284,7 @@ def mtp_step(rank: int, world_size: int, samples: Sequence[Sample], budget: int)
     groups = create_dcp_groups()
     split = split_batch(samples, groups, DCPConfig.for_model(model.config, budget))
     for mb in split.microbatches:
-        losses = model_forward(model, mb.packed, mb.packed_seq_params)
+        losses = packed_token_losses(model, mb.packed, mb.packed_seq_params)
         token_mean_loss(losses, mb, split).backward()
     grads = gather_full_tensors([model])
     groups.destroy()
