@@ -5,7 +5,7 @@ megatron-core 0.19.2's ``hybrid_stack_spec`` is built from Transformer Engine mo
 same stack is built from megatron's local modules instead, with the reference THD/CP attention:
 
 - ``M`` (Mamba): ``MambaLayer`` with a separate input norm, ``MambaMixer`` with local column /
-  row parallel projections (its SSM and conv kernels: ``integration.cpu.mamba``);
+  row parallel projections (its SSM and conv kernels: ``integration.cpu.mamba_kernels``);
 - ``*`` (attention): ``TransformerLayer`` with the input norm, self-attention of the local GPT
   spec and ``ReferenceCoreAttention``, no MLP;
 - ``-`` (MLP): ``MLPLayer`` with the pre-MLP norm and the local GPT spec's MLP.
