@@ -31,6 +31,22 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "plot": ["matplotlib"],  # megatron-dcp simulate --plot, the quick-start's plan picture
         "mamba": ["einops"],
+        # verl's dynamic-CP path (tests/integration/test_verl_dcp.py, docs/rl_adapter.md): install
+        # verl itself with --no-deps (its full requirements pull GPU packages), then these.
+        "verl": [
+            "verl==0.9.1",
+            "tensordict==0.10.0",
+            "pyvers>=0.1,<0.2",
+            "orjson",
+            "importlib_metadata",
+            "ray",
+            "omegaconf",
+            "cloudpickle",
+            "transformers<5.11",
+            "codetiming",
+            "peft",
+            "datasets",
+        ],
         "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "einops", "pyyaml"],
     },
     entry_points={

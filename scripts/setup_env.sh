@@ -15,6 +15,11 @@ VENV=.venv
 VPY="$VENV/bin/python"
 TEST_DEPS=(pytest pytest-xdist pytest-timeout hypothesis psutil typing_extensions einops pyyaml)
 PLOT_DEPS=(matplotlib)  # the `plot` extra: the quick-start's plan picture, simulate --plot
+# The `verl` extra (verl's own dynamic-CP path in the tests): verl with --no-deps (its declared
+# requirements pull GPU-only packages), then what importing its Megatron engine needs.
+VERL=verl==0.9.1
+VERL_DEPS=(tensordict==0.10.0 'pyvers>=0.1,<0.2' orjson importlib_metadata ray omegaconf cloudpickle
+           'transformers<5.11' codetiming peft datasets)
 
 environment_ready() {
   # Run from / so that the source tree (and its egg-info) does not shadow the installed package.
@@ -26,8 +31,10 @@ assert md.version("torch").split("+")[0] == "2.13.0"
 assert md.version("megatron-core") == "0.19.2"
 assert Version(md.version("packaging")) >= Version("24.2")
 for name in ("numpy", "pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "matplotlib",
-             "psutil", "typing_extensions", "einops", "pyyaml"):
+             "psutil", "typing_extensions", "einops", "pyyaml", "tensordict", "ray", "codetiming",
+             "peft", "datasets"):
     md.version(name)
+assert md.version("verl") == "0.9.1"
 url = json.loads(md.distribution("megatron-dcp").read_text("direct_url.json"))
 assert url["dir_info"].get("editable") and url["url"] == "file://" + sys.argv[1]
 scripts = {ep.name: ep.value for ep in md.entry_points(group="console_scripts")}
@@ -54,6 +61,9 @@ pip_install torch==2.13.0
 pip_install numpy 'packaging>=24.2'
 pip_install --ignore-requires-python --no-deps megatron-core==0.19.2
 pip_install "${TEST_DEPS[@]}" "${PLOT_DEPS[@]}"
+pip_install --no-deps "$VERL"
+echo "torch==2.13.0" > "$VENV/torch-pin.txt"  # no verl dependency may replace the CPU torch
+pip_install -c "$VENV/torch-pin.txt" "${VERL_DEPS[@]}"
 pip_install --no-deps -e .
 environment_ready || { echo "setup_env: the environment check still fails" >&2; exit 1; }
 echo "setup_env: $VENV is ready"

@@ -8,7 +8,9 @@ Groups, applied by the functions below (each idempotent; each entry restorable):
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
-- ``training``: Python 3.11 support for megatron.training and the DCP schedule hook.
+- ``training``: Python 3.11 support for megatron.training and the DCP schedule hook;
+- ``upstream``: megatron-core dev's dynamic-CP names on 0.19.x, where they are missing
+  (``megatron_dcp.install_upstream_api``).
 
 ``python -m megatron_dcp.integration.patches`` prints the table. A test checks that no module
 outside this package assigns to an attribute of megatron (or of any other imported module).
@@ -45,6 +47,7 @@ from megatron_dcp.integration.patches.table import (
 )
 from megatron_dcp.integration.patches.timing import TIMING_PATCHES, timed, timing_backward
 from megatron_dcp.integration.patches.training import TRAINING_PATCHES, use_schedule
+from megatron_dcp.integration.patches.upstream import UPSTREAM_PATCHES
 
 PATCHES: Tuple[Entry, ...] = (
     *TRAINING_PATCHES,
@@ -54,8 +57,9 @@ PATCHES: Tuple[Entry, ...] = (
     *MTP_PATCHES,
     *TIMING_PATCHES,
     *PIPELINE_PATCHES,
+    *UPSTREAM_PATCHES,
 )
-GROUPS = ("training", "cpu_backend", "cpu_training", "dcp", "pipeline")
+GROUPS = ("training", "cpu_backend", "cpu_training", "dcp", "pipeline", "upstream")
 
 
 def entries(*groups: str) -> List[Entry]:
