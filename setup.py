@@ -31,7 +31,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "plot": ["matplotlib"],  # megatron-dcp simulate --plot, the quick-start's plan picture
         "mamba": ["einops"],
-        # verl's dynamic-CP path (tests/integration/test_verl_dcp.py, docs/rl_adapter.md): install
+        # verl's dynamic-CP path (tests/integration/test_verl_dcp.py, docs/rl.md): install
         # verl itself with --no-deps (its full requirements pull GPU packages), then these.
         "verl": [
             "verl==0.9.1",

@@ -1,4 +1,4 @@
-"""Loss normalisation for per-token losses on a split mini-batch (derivation: docs/rl_adapter.md).
+"""Loss normalisation for per-token losses on a split mini-batch (derivation: docs/rl.md).
 
 Goal: the gradient of the token-mean loss over the whole mini-batch,
 ``∇ (1/T) Σ_{loss tokens t} ℓ_t``, whatever the CP groups and micro-batches. Each rank sums its

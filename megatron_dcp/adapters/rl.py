@@ -6,7 +6,7 @@ One mini-batch, on every rank of the DP×CP domain::
     split = split_batch(samples, groups, config)            # plan + this rank's micro-batches
     for mb in split.microbatches:                           # CP size may differ per micro-batch
         out = model(..., packed_seq_params=mb.packed_seq_params)
-        token_mean_loss(out, mb, split).backward()           # scale: see docs/rl_adapter.md
+        token_mean_loss(out, mb, split).backward()           # scale: see docs/rl.md
     log_probs = merge_outputs(local_log_probs, split, groups) # per sample, in order, every rank
 
 ``split`` (planning and packing), ``merge`` (gathering outputs) and ``loss`` (normalisation)

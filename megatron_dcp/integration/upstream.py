@@ -163,4 +163,3 @@ def install_upstream_api() -> List[str]:
             "initialise again with dynamic_context_parallel=True."
         )
     return apply_groups(("upstream", "dcp"))
-

@@ -49,7 +49,12 @@ def install_twice(rank: int, world_size: int) -> dict:
         refused = ""
     except ValueError as error:
         refused = str(error)
+    from megatron_dcp.integration import patches
+
     return {
+        "dcp applied": all(
+            patches.is_applied(entry) for entry in patches.entries("dcp") if entry.when.holds()
+        ),
         "first": set(first),
         "second": second,
         "keyword": "dynamic_context_parallel" in signature.parameters,
@@ -63,7 +68,7 @@ def install_twice(rank: int, world_size: int) -> dict:
 def test_install_is_idempotent_and_returns_what_it_installed():
     (result,) = run_distributed(install_twice, 1, timeout_s=TIMEOUT_S)
     assert UPSTREAM_ENTRIES <= result["first"]
-    assert "attention_rope" in result["first"]  # the dcp group: per-micro-batch CP groups
+    assert result["dcp applied"]  # per-micro-batch CP groups (maybe applied before: not in first)
     assert result["second"] == []
     assert result["keyword"] and result["field"] is False and result["default"] is False
     assert "dynamic_context_parallel=False" in result["refused"]
@@ -120,7 +125,9 @@ def dynamic_groups(rank: int, world_size: int, cp: int) -> dict:
 
     enable_cpu_backend()
     megatron_dcp.install_upstream_api()
-    parallel_state.initialize_model_parallel(context_parallel_size=cp, dynamic_context_parallel=True)
+    parallel_state.initialize_model_parallel(
+        context_parallel_size=cp, dynamic_context_parallel=True
+    )
     members = {}
     for size in (1, 2, 4, world_size):
         group = parallel_state.get_dynamic_data_context_parallel_groups(group_size=size)
@@ -128,9 +135,9 @@ def dynamic_groups(rank: int, world_size: int, cp: int) -> dict:
         dist.all_reduce(position, group=group)
         members[size] = (tuple(dist.get_process_group_ranks(group)), position.item())
     domain = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    full_is_domain = parallel_state.get_dynamic_data_context_parallel_groups(
-        group_size=world_size
-    ) is domain
+    full_is_domain = (
+        parallel_state.get_dynamic_data_context_parallel_groups(group_size=world_size) is domain
+    )
     parallel_state.destroy_model_parallel()
     with pytest.raises(AssertionError, match="install_upstream_api"):
         parallel_state.get_dynamic_data_context_parallel_groups(group_size=2)
