@@ -77,11 +77,11 @@ def init_verl_megatron(cp: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(OPTIONS.seed)
 
 
-def verl_step(rank: int, world_size: int, samples: Sequence[dict], cp: int, budget: int):
+def verl_forward_backward(model, samples: Sequence[dict], budget: int):
+    """What verl's ``forward_backward_batch`` does under DCP, on this rank: its micro-batches
+    and the merged outputs of ``postprocess_dynamic_cp_batch``."""
     from megatron.core import parallel_state as mpu
 
-    init_verl_megatron(cp)
-    (model,) = build_tiny_gpt(cp=cp, options=OPTIONS)
     batch = verl_batch(samples)
     dcp_group = mpu.get_data_parallel_group(with_context_parallel=True)
     scheduler = DynamicCPScheduler(
@@ -93,14 +93,23 @@ def verl_step(rank: int, world_size: int, samples: Sequence[dict], cp: int, budg
     # verl #5983: under DCP the replicated batch's count is already global (no DP all-reduce).
     num_tokens = int(batch["loss_mask"].values().sum())
     outputs = [micro_batch_step(model, mb, num_tokens) for mb in micro_batches]
-    merged = postprocess_dynamic_cp_batch(outputs, len(batch), dcp_group)
-    sizes = tuple(tu.get_non_tensor_data(mb, "local_cp_size", None) for mb in micro_batches)
+    return micro_batches, postprocess_dynamic_cp_batch(outputs, len(batch), dcp_group)
+
+
+def local_cp_sizes(micro_batches) -> tuple[int, ...]:
+    return tuple(tu.get_non_tensor_data(mb, "local_cp_size", None) for mb in micro_batches)
+
+
+def verl_step(rank: int, world_size: int, samples: Sequence[dict], cp: int, budget: int):
+    init_verl_megatron(cp)
+    (model,) = build_tiny_gpt(cp=cp, options=OPTIONS)
+    micro_batches, merged = verl_forward_backward(model, samples, budget)
     return VerlResult(
         log_probs=list(merged["model_output"]["log_probs"].unbind()),
         grads=gather_full_tensors([model]),
         losses=merged["loss"],
-        num_tokens=num_tokens,
-        local_cp_sizes=sizes,
+        num_tokens=int(sum(s["loss_mask"].sum() for s in samples)),
+        local_cp_sizes=local_cp_sizes(micro_batches),
         packing_agrees=tuple(packing_agrees(samples, mb) for mb in micro_batches),
     )
 
@@ -234,3 +243,36 @@ def verl_rejects_too_long(rank: int, world_size: int) -> str:
 def test_a_sequence_longer_than_the_domain_is_refused_before_any_collective():
     messages = run_distributed(verl_rejects_too_long, 4, timeout_s=TIMEOUT_S)
     assert all("max_seqlen_per_dp_cp_rank" in message for message in messages)
+
+
+def verl_mtp_step(rank: int, world_size: int, samples: Sequence[dict], budget: int) -> dict:
+    """verl's path with one MTP layer (verl PR #5895: the MTP loss takes its CP group from
+    ``packed_seq_params.cp_group``): the CP sizes with which this rank entered the MTP loss,
+    the micro-batches' CP sizes and the merged main-head log-probs."""
+    from megatron.core.models.gpt import gpt_model
+
+    init_verl_megatron(cp=2)
+    (model,) = build_tiny_gpt(cp=2, mtp_layers=1, options=OPTIONS)
+    entered, original = [], gpt_model.process_mtp_loss
+
+    def counting(*args, **kwargs):
+        entered.append(kwargs["cp_group"].size())
+        return original(*args, **kwargs)
+
+    gpt_model.process_mtp_loss = counting  # a forked worker: the parent is untouched
+    micro_batches, merged = verl_forward_backward(model, samples, budget)
+    return {
+        "entered": entered,
+        "cp sizes": list(local_cp_sizes(micro_batches)),
+        "log_probs": list(merged["model_output"]["log_probs"].unbind()),
+    }
+
+
+def test_mtp_runs_on_each_micro_batch_cp_group():
+    samples = make_samples([90, 7, 30], OPTIONS.vocab_size, seed=5)
+    results = run_distributed(verl_mtp_step, 4, samples, 32, timeout_s=TIMEOUT_S)
+    (reference,) = run_distributed(reference_step, 1, samples, timeout_s=TIMEOUT_S)
+    for result in results:
+        assert result["entered"] == result["cp sizes"] and max(result["cp sizes"]) > 1
+        for got, want in zip(result["log_probs"], reference.log_probs):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
