@@ -5,7 +5,8 @@ wraps. Once per global batch it
 
 1. takes this DP rank's samples of the global batch from the data iterator
    (``num_microbatches × micro_batch_size`` of them: what megatron itself would consume),
-2. exchanges the lengths over DP and plans the batch (every rank computes the same plan),
+2. exchanges the lengths over DP and plans the batch (every rank computes the same plan, which
+   the plan-consistency guard checks: ``runtime.plan_guard``),
 3. routes the samples so that each rank holds exactly those of its CP groups (all-to-all),
 4. packs each micro-batch of this rank as THD with zigzag CP slicing and a ``PackedSeqParams``
    that names the micro-batch's CP group,
@@ -32,6 +33,7 @@ from megatron_dcp.integration.patches.mtp import MTP_RATIOS_ATTRIBUTE, mtp_token
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
+from megatron_dcp.runtime.plan_guard import check_same_plan
 from megatron_dcp.runtime.routing import RoutedSamples, SampleSchema, route_samples
 from megatron_dcp.scheduling import CostModel, CPGroup, Plan
 from megatron_dcp.scheduling.metrics import plan_imbalance
@@ -121,6 +123,7 @@ class DCPForwardBackward:
         start = time.perf_counter()
         plan = plan_with(self.scheduler, lengths.seqlens)
         plan_time = time.perf_counter() - start
+        check_same_plan(plan, self.domain_group, step=len(self.stats) + 1)
         routed = self.route(plan, lengths, samples)
         batches = [
             self.pack(plan, index, routed.samples, device) for index in range(plan.num_microbatches)

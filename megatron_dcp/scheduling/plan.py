@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
@@ -10,6 +12,7 @@ from typing import Dict, Optional, Set, Tuple
 
 from megatron_dcp.scheduling.domain import Block, Domain
 
+DIGEST_BITS = 63  # digests are non-negative int64 values (a min/max all-reduce negates them)
 RANKS = attrgetter("ranks")
 SAMPLE_IDS = attrgetter("sample_ids")
 
@@ -74,6 +77,29 @@ class Plan:
         )
         return dict(sorted(counts.items()))
 
+    def digest(self) -> int:
+        """A 63-bit digest of the plan (lengths, micro-batches, VPP group size): equal on every
+        rank that holds the same plan, whatever the process (no salted ``hash``)."""
+        hasher = hashlib.blake2b(digest_size=8)
+        hasher.update(array("q", self.seqlens).tobytes())
+        hasher.update(array("q", [self.microbatch_group_size_per_vp_stage or 0]).tobytes())
+        values = array("q")  # per micro-batch, decodably: G, the G group sizes, their sample
+        for microbatch in self.microbatches:  # counts, their sample ids (ids name the lengths)
+            groups = microbatch.groups
+            values.append(len(groups))
+            values.extend(map(len, map(RANKS, groups)))
+            values.extend(map(len, map(SAMPLE_IDS, groups)))
+            values.extend(chain.from_iterable(map(SAMPLE_IDS, groups)))
+        hasher.update(values.tobytes())
+        return _bits(hasher.digest())
+
+    def microbatch_digests(self) -> Tuple[int, ...]:
+        """One 63-bit digest per micro-batch: its groups, their samples and the samples' lengths."""
+        return tuple(
+            _bits(hashlib.blake2b(_microbatch_bytes(mb, self.seqlens), digest_size=8).digest())
+            for mb in self.microbatches
+        )
+
     def validate(self) -> "Plan":
         """Raise :class:`InvalidPlanError` on any violated invariant; return ``self`` otherwise."""
         self._check_coverage()
@@ -131,3 +157,18 @@ class Plan:
                 f"{self.num_microbatches} micro-batches is not a multiple of "
                 f"microbatch_group_size_per_vp_stage={k}"
             )
+
+
+def _microbatch_bytes(microbatch: MicroBatch, seqlens: Tuple[int, ...]) -> bytes:
+    """Each group's first rank, size, sample count, sample ids and lengths as int64 bytes."""
+    values = array("q")
+    for group in microbatch.groups:
+        ids = group.sample_ids
+        values.extend((group.ranks[0], len(group.ranks), len(ids)))
+        values.extend(ids)
+        values.extend(map(seqlens.__getitem__, ids))
+    return values.tobytes()
+
+
+def _bits(raw: bytes) -> int:
+    return int.from_bytes(raw, "little") >> (64 - DIGEST_BITS)
