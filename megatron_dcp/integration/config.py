@@ -40,6 +40,7 @@ VPP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 COST_PROFILE_FLAG = "--dcp-cost-profile"
 HARDWARE_FLAG = "--dcp-hardware-profile"
 COST_ADAPT_FLAG = "--dcp-cost-adapt"
+PREFETCH_FLAG = "--dcp-prefetch"
 DEFAULT_SCHEDULER = "default_dynamic_cp"
 
 # The training flags of the scheduling parameters that SchedulingErrors name.
@@ -98,6 +99,13 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--varlen-lengths-file",
         default=None,
         help="Mock data whose lengths are read from this file (one per line).",
+    )
+    group.add_argument(
+        PREFETCH_FLAG,
+        default="on",
+        choices=("on", "off"),
+        help="Read, plan and route the next global batch in a background thread while the "
+        "current one trains (default on; the same plans and losses as off).",
     )
     add_cost_args(group)
     return parser
@@ -160,11 +168,17 @@ class DCPConfig:
     # CP groups that cross a node boundary (None: by backend).
     ranks_per_node: Optional[int] = None
     hardware: Optional[str] = None
+    # Prepare the next global batch in the background (``integration.prefetch``).
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
         check_scheduler(self.scheduler)
         check_cost(self.cost_model, self.cost_adapt)
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(
+                f"{PREFETCH_FLAG}={self.prefetch!r}: must be on or off (DCPConfig.prefetch: bool)."
+            )
         ranks_per_node(self.ranks_per_node)
         if not is_power_of_two(self.min_cp_size):
             raise ValueError(
@@ -197,6 +211,7 @@ class DCPConfig:
             cost_adapt=getattr(args, "dcp_cost_adapt", "on") == "on",
             ranks_per_node=ranks_per_node(getattr(args, "dcp_ranks_per_node", None)),
             hardware=getattr(args, "dcp_hardware_profile", None),
+            prefetch=getattr(args, "dcp_prefetch", "on") == "on",
         )
 
     @classmethod

@@ -10,6 +10,7 @@ from megatron_dcp.integration.compat import check_model_config
 from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.moe_groups import create_tp_cp_groups, needs_tp_cp_groups
 from megatron_dcp.integration.nodes import check_ranks_per_node
+from megatron_dcp.integration.prefetch import Prefetcher, dedicated_comm
 from megatron_dcp.integration.schedule import DCPForwardBackward
 from megatron_dcp.runtime.groups import DCPGroups, domain_rank_lists_from
 
@@ -43,7 +44,7 @@ def build_forward_backward(
     check_ranks_per_node(config.ranks_per_node, dist.get_world_size())
     groups = groups or create_dcp_groups(config.min_cp_size)
     tp_cp_groups = create_tp_cp_groups(groups) if needs_tp_cp_groups(model_config) else None
-    return DCPForwardBackward(
+    wrapper = DCPForwardBackward(
         forward_backward_func=forward_backward_func or get_forward_backward_func(),
         config=config,
         scheduler=config.build_scheduler(groups.domain_size, groups.domain_ranks),
@@ -53,3 +54,6 @@ def build_forward_backward(
         tp_cp_groups=tp_cp_groups,
         mtp_depth=model_config.mtp_num_layers or 0,
     )
+    if config.prefetch:
+        wrapper.prefetcher = Prefetcher(wrapper.prepare_from, dedicated_comm(wrapper.comm))
+    return wrapper

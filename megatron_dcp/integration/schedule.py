@@ -30,6 +30,7 @@ from megatron_dcp.integration.cost_models import predicted_step_time
 from megatron_dcp.integration.moe_groups import tp_cp_group_for
 from megatron_dcp.integration.patches.dcp import TP_CP_GROUP_ATTRIBUTE
 from megatron_dcp.integration.patches.mtp import MTP_RATIOS_ATTRIBUTE, mtp_token_ratios
+from megatron_dcp.integration.prefetch import Comm, Prefetcher
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
@@ -67,14 +68,26 @@ class BatchStats:
     predicted_step_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """One global batch made ready to run: this rank's packed micro-batches, the plan, figures."""
+
+    batches: List[Batch]
+    plan: Plan
+    stats: BatchStats
+
+
 @dataclass
 class DCPForwardBackward:
     """Wraps a megatron forward-backward function (see the module docstring).
 
     ``groups`` are the DCP process groups (and this rank's position in the domain); ``dp_group``
     joins the ranks that hold different samples (same CP rank, other DP ranks); ``domain_group``
-    is the DP×CP group. ``plan`` is the plan of the last global batch; :meth:`use_cost_model`
-    changes the cost model the next ones are planned with.
+    is the DP×CP group. ``plan`` and ``stats[-1]`` are those of the batch last run. With a
+    ``prefetcher`` (``integration.prefetch``), each training call prepares the next global batch
+    in the background while its own runs; ``prefetch_next`` False (the last iteration) skips it.
+    :meth:`use_cost_model` changes the cost model from the plan after next on: the next plan
+    may already be made (with prefetch, and so also without it: both give the same plans).
     """
 
     forward_backward_func: Callable[..., Any]
@@ -89,6 +102,9 @@ class DCPForwardBackward:
     tp_cp_groups: Optional[DCPGroups] = None
     # MTP depth of the model: each micro-batch then names its global batch's MTP token ratios.
     mtp_depth: int = 0
+    prefetcher: Optional[Prefetcher] = None
+    prefetch_next: bool = True
+    pending_cost: Optional[CostModel] = None
 
     def __call__(
         self,
@@ -101,52 +117,93 @@ class DCPForwardBackward:
         micro_batch_size: int = 1,
         **kwargs: Any,
     ) -> Any:
-        samples = take_samples(first_iterator(data_iterator), num_microbatches * micro_batch_size)
-        batches = self.prepare(samples)
+        iterator, count = first_iterator(data_iterator), num_microbatches * micro_batch_size
+        prepared = self.prefetcher.take(iterator, count) if self.prefetcher else None
+        if prepared is not None:
+            used_on_current_stream(prepared.batches)
+        batches = self.publish(prepared or self.prepare_from(iterator, count, self.comm))
+        if not kwargs.get("forward_only", False):
+            self.advance_cost_model()
+            if self.prefetcher and self.prefetch_next:
+                self.prefetcher.start(iterator, count)
         set_variable_seq_lengths(model)
-        return self.forward_backward_func(
-            forward_step_func=forward_step_func,
-            data_iterator=iterators_like(data_iterator, batches),
-            model=model,
-            num_microbatches=len(batches),
-            seq_length=max((b["tokens"].shape[-1] for b in batches), default=0),
-            micro_batch_size=1,
-            **kwargs,
-        )
+        try:
+            return self.forward_backward_func(
+                forward_step_func=forward_step_func,
+                data_iterator=iterators_like(data_iterator, batches),
+                model=model,
+                num_microbatches=len(batches),
+                seq_length=max((b["tokens"].shape[-1] for b in batches), default=0),
+                micro_batch_size=1,
+                **kwargs,
+            )
+        except BaseException:
+            self.close()  # no background collective or thread outlives a failed step
+            raise
+
+    @property
+    def comm(self) -> Comm:
+        return Comm(self.dp_group, self.domain_group)
+
+    def close(self) -> None:
+        """Wait for a background preparation to finish and drop it (end of training)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     def prepare(self, samples: Sequence[Sample]) -> List[Batch]:
-        """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch. Samples
-        travel on the device the domain's collectives use (the GPU under NCCL, else the CPU)."""
-        device = collective_device(self.domain_group)
-        samples = [{key: value.to(device) for key, value in s.items()} for s in samples]
-        lengths = gather_lengths([sample_length(s) for s in samples], self.dp_group)
+        """Steps 2–4 for ``samples`` on the calling thread, recorded as the batch last run."""
+        return self.publish(self.prepare_samples(samples, self.comm))
+
+    def prepare_from(self, iterator: Iterator[Any], count: int, comm: Comm) -> Prepared:
+        """Steps 1–4: read ``count`` samples of ``iterator`` and prepare them over ``comm``."""
+        return self.prepare_samples(take_samples(iterator, count), comm)
+
+    def prepare_samples(self, samples: Sequence[Sample], comm: Comm) -> Prepared:
+        """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch over the
+        groups of ``comm``. Samples travel on the device the domain's collectives use (the GPU
+        under NCCL, else the CPU)."""
+        device = collective_device(comm.domain_group)
+        samples = [{key: to_device(value, device) for key, value in s.items()} for s in samples]
+        lengths = gather_lengths([sample_length(s) for s in samples], comm.dp_group)
         start = time.perf_counter()
         plan = plan_with(self.scheduler, lengths.seqlens)
         plan_time = time.perf_counter() - start
-        check_same_plan(plan, self.domain_group, step=len(self.stats) + 1)
-        routed = self.route(plan, lengths, samples)
+        check_same_plan(plan, comm.domain_group, step=len(self.stats) + 1)
+        routed = self.route(plan, lengths, samples, comm)
         batches = [
             self.pack(plan, index, routed.samples, device) for index in range(plan.num_microbatches)
         ]
         if self.mtp_depth:
             masks = [sample["loss_mask"] for sample in samples]
-            ratios = mtp_token_ratios(masks, self.mtp_depth, self.dp_group, device)
+            ratios = mtp_token_ratios(masks, self.mtp_depth, comm.dp_group, device)
             for batch in batches:
                 setattr(batch["packed_seq_params"], MTP_RATIOS_ATTRIBUTE, ratios)
         stats = batch_stats(plan, plan_time, batches, routed.bytes_received, self.scheduler)
-        self.stats.append(stats)
-        self.plan = plan
-        return batches
+        return Prepared(batches, plan, stats)
+
+    def publish(self, prepared: Prepared) -> List[Batch]:
+        """Record ``prepared`` as the batch being run (its plan and figures); its batches."""
+        self.stats.append(prepared.stats)
+        self.plan = prepared.plan
+        return prepared.batches
 
     def use_cost_model(self, cost: CostModel) -> None:
-        """Plan the next global batches with ``cost`` (every rank must pass the same one)."""
-        self.scheduler.cost_model = cost
+        """Plan with ``cost`` from the plan after next on (every rank must pass the same one)."""
+        self.pending_cost = cost
 
-    def route(self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample]) -> RoutedSamples:
+    def advance_cost_model(self) -> None:
+        """At a training call, once its own batch is ready: the next plans use the cost model
+        given before this call."""
+        if self.pending_cost is not None:
+            self.scheduler.cost_model, self.pending_cost = self.pending_cost, None
+
+    def route(
+        self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample], comm: Comm
+    ) -> RoutedSamples:
         """Step 3: send and receive samples so that this rank holds those of its groups."""
-        ids = lengths.ids_of(torch.distributed.get_rank(self.dp_group))
+        ids = lengths.ids_of(torch.distributed.get_rank(comm.dp_group))
         local = dict(zip(ids, samples))
-        return route_samples(plan, local, self.groups.position, self.domain_group, lengths.owner_of)
+        return route_samples(plan, local, self.groups.position, comm.domain_group, lengths.owner_of)
 
     def pack(
         self, plan: Plan, index: int, samples: Mapping[int, Sample], device: torch.device
@@ -226,6 +283,27 @@ def batch_stats(
         estimated_imbalance=plan_imbalance(plan, scheduler.cost_model),
         predicted_step_s=predicted_step_time(plan, scheduler.cost_model),
     )
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a host tensor bound for a GPU goes through pinned memory
+    (an asynchronous copy on the current stream: the prefetch thread's own)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def used_on_current_stream(batches: Sequence[Batch]) -> None:
+    """Mark the CUDA tensors of ``batches`` (made on the prefetch stream) as used on the current
+    stream, so that their memory is not reused while the step still reads it."""
+    if not torch.cuda.is_available():
+        return
+    stream = torch.cuda.current_stream()
+    for batch in batches:
+        params = vars(batch["packed_seq_params"]).values()  # its cu_seqlens tensors
+        for value in [*batch.values(), *params]:
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(stream)
 
 
 def sample_length(sample: Sample) -> int:

@@ -4,6 +4,7 @@ and its ``[DCP]`` log line."""
 
 from __future__ import annotations
 
+import atexit
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -34,10 +35,13 @@ class DCPSchedule:
         config: DCPConfig,
         log: Callable[[str], None],
         iteration: Optional[Callable[[], int]] = None,
+        last_iteration: Optional[Callable[[], bool]] = None,
     ) -> None:
         """``iteration`` returns the number of the training iteration being run (megatron's,
-        which continues after a resume); default: count the training calls."""
+        which continues after a resume); default: count the training calls.
+        ``last_iteration`` says whether it is the last (no next batch to prefetch then)."""
         self.config, self.log = config, log
+        self.last_iteration = last_iteration or (lambda: False)
         self.wrapper: Optional[DCPForwardBackward] = None
         self.refinement: Optional[OnlineRefinement] = None
         self.calls = 0
@@ -48,6 +52,7 @@ class DCPSchedule:
         forward = BusyClock()
         step = timed(kwargs.pop("forward_step_func"), forward)
         start = time.perf_counter()
+        wrapper.prefetch_next = not self.last_iteration()
         with timing_backward() as backward:
             losses = wrapper(forward_step_func=step, **kwargs)
         if not kwargs.get("forward_only", False):
@@ -65,10 +70,12 @@ class DCPSchedule:
 
         chunks = model if isinstance(model, list) else [model]
         self.wrapper = build_forward_backward(get_model_config(chunks[0]), self.config)
+        atexit.register(self.wrapper.close)  # an early exit (signal, --exit-interval) joins too
         if self.wrapper.config.cost_adapt:
             self.refinement = OnlineRefinement(self.wrapper.scheduler.cost_model)
         self.log(" " + self.wrapper.groups.report())
         self.log(" " + describe_layout(self.wrapper.scheduler.cost_model.nodes))
+        self.log(" " + describe_prefetch(self.wrapper))
         return self.wrapper
 
     def refine(self, times: Sequence[float]) -> None:
@@ -105,6 +112,15 @@ class DCPSchedule:
             for label, factor in zip(COEFFICIENT_LABELS, self.refinement.factors)
         )
         return f" | cost x prior: {factors}"
+
+
+def describe_prefetch(wrapper: DCPForwardBackward) -> str:
+    if wrapper.prefetcher is None:
+        return "DCP prefetch: off (each global batch is read, planned and routed before its step)"
+    return (
+        "DCP prefetch: on (the next global batch is read, planned and routed in the background "
+        "while the current one trains)"
+    )
 
 
 def busy_times(busy_s: float, domain_group: Any) -> List[float]:
@@ -154,7 +170,16 @@ def install_dcp_schedule(config: DCPConfig, log: Callable[[str], None]) -> DCPSc
     ``dcp_schedule`` entry of the patch table)."""
     from megatron.training import get_args
 
-    schedule = DCPSchedule(config, log, iteration=lambda: get_args().curr_iteration + 1)
+    def last_iteration() -> bool:
+        args = get_args()
+        return bool(args.train_iters) and args.curr_iteration + 1 >= args.train_iters
+
+    schedule = DCPSchedule(
+        config,
+        log,
+        iteration=lambda: get_args().curr_iteration + 1,
+        last_iteration=last_iteration,
+    )
     apply_groups(("training",))
     use_schedule(schedule)
     return schedule

@@ -52,8 +52,8 @@ def refining_run(
     cp: int = 2,
     adapt: bool = True,
 ) -> dict:
-    """Train ``steps`` through ``DCPSchedule``; per step, the plan and the coefficients the next
-    batch is planned with; the log lines."""
+    """Train ``steps`` through ``DCPSchedule``; per step, the plan and the coefficients the
+    batch after next is planned with; the log lines."""
     from megatron.core import parallel_state
 
     init_megatron(tp, pp, cp, seed=OPTIONS.seed)
@@ -76,7 +76,9 @@ def refining_run(
             forward_only=False,
         )
         plans.append(schedule.wrapper.plan)
-        thetas.append([x.hex() for x in coefficients(schedule.wrapper.scheduler.cost_model)])
+        # The cost model given for the plans after the next one (the next may be made already).
+        given = schedule.wrapper.pending_cost or schedule.wrapper.scheduler.cost_model
+        thetas.append([x.hex() for x in coefficients(given)])
     refined = schedule.refinement
     schedule.wrapper.groups.destroy()
     return dict(

@@ -55,6 +55,42 @@ def test_training_on_indexed_documents(tmp_path):
     assert "megatron_dcp: no CUDA device, using the CPU backend" in log.output
 
 
+def test_prefetch_on_and_off_train_alike(tmp_path):
+    """--dcp-prefetch on (the default) and off: the same training and validation losses, bit for
+    bit (a fixed cost model: refined coefficients follow measured times, which differ between
+    runs), with evaluation between training steps and after the last one."""
+    options = {
+        "--dynamic-context-parallel": True,
+        "--context-parallel-size": 2,
+        "--max-seqlen-per-dp-cp-rank": 128,
+        "--num-layers": 2,
+        "--hidden-size": 32,
+        "--num-attention-heads": 4,
+        "--seq-length": 256,
+        "--max-position-embeddings": 256,
+        "--micro-batch-size": 1,
+        "--global-batch-size": 6,
+        "--train-iters": 4,
+        "--eval-iters": 1,
+        "--eval-interval": 2,
+        "--lr": 1e-3,
+        "--tokenizer-type": "NullTokenizer",
+        "--vocab-size": 128,
+        "--data-path": write_documents(tmp_path / "corpus", 80),
+        "--split": "80,10,10",
+        "--log-interval": 1,
+        "--dcp-cost-adapt": "off",
+    }
+    on = run_pretrain(flag_list(options), 4, tmp_path / "on.log", timeout_s=300)
+    options["--dcp-prefetch"] = "off"
+    off = run_pretrain(flag_list(options), 4, tmp_path / "off.log", timeout_s=300)
+    assert "DCP prefetch: on" in on.output and "DCP prefetch: off" in off.output
+    assert sorted(on.losses) == [1, 2, 3, 4] and on.losses == off.losses
+    validation = re.compile(r"validation loss at iteration (\d+).*?lm loss value: (\S+)")
+    assert validation.findall(on.output) == validation.findall(off.output)
+    assert len(validation.findall(on.output)) >= 2
+
+
 def test_sequence_parallel_and_distributed_optimizer_on_cpu(tmp_path):
     """--sequence-parallel (tp2) and --use-distributed-optimizer are accepted on the CPU backend
     and stay on (megatron prints them; the optimizer reduce-scatters gradients) for 3 steps."""

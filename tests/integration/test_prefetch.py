@@ -1,0 +1,232 @@
+"""Planning off the critical path (``--dcp-prefetch``): through ``DCPSchedule`` (what
+``megatron.training`` runs), prefetch on gives exactly the plans, samples and losses of prefetch
+off, with the cost model refined after every step; evaluation calls in between, the last
+iteration and a step that raises leave no background thread or collective behind."""
+
+import random
+import threading
+from typing import Sequence
+
+import pytest
+
+from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+
+import torch  # noqa: E402
+
+from megatron_dcp.integration.config import DCPConfig  # noqa: E402
+from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
+from megatron_dcp.integration.patches import apply_patches  # noqa: E402
+from megatron_dcp.integration.training import DCPSchedule  # noqa: E402
+from megatron_dcp.testing.gpt import (  # noqa: E402
+    TinyGPTOptions,
+    build_tiny_gpt,
+    init_megatron,
+    make_samples,
+)
+
+OPTIONS = TinyGPTOptions()
+BUDGET, STEPS, BATCH = 64, 5, 8
+TIMEOUT_S = 300
+
+
+def global_batches(seed: int = 3) -> list:
+    rng = random.Random(seed)
+    lengths = [rng.randint(4, 120) for _ in range(STEPS * BATCH)]
+    samples = make_samples(lengths, OPTIONS.vocab_size, seed=seed)
+    return [samples[i * BATCH : (i + 1) * BATCH] for i in range(STEPS)]
+
+
+def local_stream(batches: Sequence[list], rank: int, size: int) -> list:
+    """This DP rank's share of every global batch, in order (what megatron's loader yields)."""
+    share = BATCH // size
+    return [s for batch in batches for s in batch[rank * share : (rank + 1) * share]]
+
+
+def prefetch_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "dcp-prefetch" and t.is_alive()]
+
+
+def training_run(
+    rank: int, world_size: int, batches: Sequence[list], prefetch: bool, evaluate: bool = False
+) -> dict:
+    """``STEPS`` training calls on one data iterator (as in ``pretrain``), optionally an
+    evaluation call on another iterator after each; losses, plans, and the thread state."""
+    from megatron.core import parallel_state
+
+    init_megatron(cp=2, seed=OPTIONS.seed)
+    apply_patches()
+    (model,) = build_tiny_gpt(cp=2, options=OPTIONS)
+    config = DCPConfig.for_model(
+        model.config, BUDGET, vocab_size=OPTIONS.vocab_size, prefetch=prefetch
+    )
+    planned_with = record_cost_models()
+    measure_deterministically()
+    step = {"n": 0}
+    schedule = DCPSchedule(config, lambda line: None, last_iteration=lambda: step["n"] == STEPS)
+    dp_rank, dp_size = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    train = iter(local_stream(batches, dp_rank, dp_size))
+    share = BATCH // dp_size
+    losses, plans, eval_losses = [], [], []
+    for n in range(1, STEPS + 1):
+        step["n"] = n
+        out = schedule(
+            forward_step_func=forward_step,
+            data_iterator=train,
+            model=model,
+            num_microbatches=share,
+            forward_only=False,
+        )
+        losses.append([o["lm loss"].tolist() for o in out])
+        plans.append(schedule.wrapper.plan)
+        if evaluate:
+            held_out = iter(local_stream(batches[:1], dp_rank, dp_size))
+            with torch.no_grad():
+                out = schedule(
+                    forward_step_func=forward_step,
+                    data_iterator=held_out,
+                    model=model,
+                    num_microbatches=share,
+                    forward_only=True,
+                )
+            eval_losses.append([o["lm loss"].tolist() for o in out])
+    prefetcher = schedule.wrapper.prefetcher
+    alive_at_end = bool(prefetch_threads()) or (
+        prefetcher is not None and prefetcher.job is not None
+    )
+    schedule.wrapper.close()
+    schedule.wrapper.groups.destroy()
+    return dict(
+        losses=losses,
+        plans=plans,
+        eval=eval_losses,
+        alive_at_end=alive_at_end,
+        planned_with=planned_with,
+    )
+
+
+def measure_deterministically() -> None:
+    """Measured step times that depend only on the call count and the position, so that the
+    refined cost models of two runs are the same floats (a forked worker)."""
+    from megatron_dcp.integration import training
+
+    calls = iter(range(1, 10**6))
+
+    def synthetic(busy_s, domain_group):
+        k = next(calls)
+        return [1e-3 * (1 + 0.3 * position + 0.2 * (k % 3)) for position in range(4)]
+
+    training.busy_times = synthetic
+
+
+def record_cost_models() -> list:
+    """The coefficients of the cost model each plan is made with, in order (a forked worker:
+    the parent's module is untouched)."""
+    from megatron_dcp.integration import schedule
+    from megatron_dcp.scheduling.cost_fit import coefficients
+
+    recorded, original = [], schedule.plan_with
+
+    def recording(scheduler, seqlens):
+        recorded.append([x.hex() for x in coefficients(scheduler.cost_model)])
+        return original(scheduler, seqlens)
+
+    schedule.plan_with = recording
+    return recorded
+
+
+@pytest.mark.parametrize("evaluate", [False, True], ids=["train", "train+eval"])
+def test_prefetch_gives_the_plans_and_losses_of_no_prefetch(evaluate):
+    batches = global_batches()
+    on = run_distributed(training_run, 4, batches, True, evaluate, timeout_s=TIMEOUT_S)
+    off = run_distributed(training_run, 4, batches, False, evaluate, timeout_s=TIMEOUT_S)
+    for rank, (with_prefetch, without) in enumerate(zip(on, off)):
+        assert with_prefetch["plans"] == without["plans"], f"rank {rank}"
+        assert with_prefetch["losses"] == without["losses"], f"rank {rank}"
+        assert with_prefetch["eval"] == without["eval"], f"rank {rank}"
+        # The refined cost model reaches the same plans (it starts changing at step 2).
+        assert with_prefetch["planned_with"] == without["planned_with"], f"rank {rank}"
+        assert len({tuple(c) for c in without["planned_with"]}) > 2
+        assert not with_prefetch["alive_at_end"], "the last iteration started a prefetch"
+    # The cost model refines after every step, so plans may change: they must change alike.
+    assert len(on[0]["plans"]) == STEPS
+
+
+def failing_step(rank: int, world_size: int, batches: Sequence[list]) -> dict:
+    """The second training call raises inside the model step on every rank."""
+    from megatron.core import parallel_state
+
+    init_megatron(cp=2, seed=OPTIONS.seed)
+    apply_patches()
+    (model,) = build_tiny_gpt(cp=2, options=OPTIONS)
+    config = DCPConfig.for_model(model.config, BUDGET, vocab_size=OPTIONS.vocab_size, prefetch=True)
+    schedule = DCPSchedule(config, lambda line: None)
+    dp_rank, dp_size = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    train = iter(local_stream(batches, dp_rank, dp_size))
+    kwargs = dict(data_iterator=train, model=model, num_microbatches=BATCH // dp_size)
+    schedule(forward_step_func=forward_step, forward_only=False, **kwargs)
+    started = bool(prefetch_threads()) or schedule.wrapper.prefetcher.job is not None
+
+    def broken(iterator, model):
+        raise RuntimeError("broken forward step")
+
+    with pytest.raises(RuntimeError, match="broken forward step"):
+        schedule(forward_step_func=broken, forward_only=False, **kwargs)
+    left = dict(
+        started=started, threads=len(prefetch_threads()), job=schedule.wrapper.prefetcher.job
+    )
+    schedule.wrapper.groups.destroy()
+    return left
+
+
+def test_a_step_that_raises_leaves_no_thread_behind():
+    for result in run_distributed(failing_step, 4, global_batches(), timeout_s=TIMEOUT_S):
+        assert result["started"], "the first step should have started a prefetch"
+        assert result["threads"] == 0 and result["job"] is None
+
+
+def run_out_of_data(rank: int, world_size: int, batches: Sequence[list]) -> dict:
+    """Without the last-iteration signal the wrapper prefetches past the data: the error stays
+    in the background and ``close`` drops it."""
+    from megatron.core import parallel_state
+
+    init_megatron(cp=2, seed=OPTIONS.seed)
+    apply_patches()
+    (model,) = build_tiny_gpt(cp=2, options=OPTIONS)
+    config = DCPConfig.for_model(model.config, BUDGET, vocab_size=OPTIONS.vocab_size, prefetch=True)
+    schedule = DCPSchedule(config, lambda line: None)
+    dp_rank, dp_size = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    train = iter(local_stream(batches[:2], dp_rank, dp_size))
+    for _ in range(2):
+        schedule(
+            forward_step_func=forward_step,
+            data_iterator=train,
+            model=model,
+            num_microbatches=BATCH // dp_size,
+            forward_only=False,
+        )
+    schedule.wrapper.close()
+    left = len(prefetch_threads())
+    schedule.wrapper.groups.destroy()
+    return dict(threads=left)
+
+
+def test_prefetching_past_the_data_fails_nothing():
+    for result in run_distributed(run_out_of_data, 4, global_batches(), timeout_s=TIMEOUT_S):
+        assert result["threads"] == 0
+
+
+def test_prefetch_flag_is_validated():
+    with pytest.raises(ValueError, match="--dcp-prefetch"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=64, prefetch="on")
