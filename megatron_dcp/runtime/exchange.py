@@ -46,15 +46,21 @@ def gather_lengths(local_seqlens: Sequence[int], dp_group: Optional[ProcessGroup
 
     Two small int64 all-gathers over ``dp_group`` (gloo needs equal sizes): the counts, then
     the lengths padded to the largest count, on the device the group's backend communicates from.
+    A rank holding a negative length sends the count -1, so every rank raises the same
+    ``ValueError`` after the first all-gather instead of the others waiting in the second.
     """
     device = collective_device(dp_group)
     local = torch.tensor([int(n) for n in local_seqlens], dtype=torch.int64, device=device)
-    if (local < 0).any():
-        raise ValueError(
-            f"local_seqlens must be non-negative token counts, got {list(local_seqlens)}"
-        )
-    count = torch.tensor([local.numel()], dtype=torch.int64, device=device)
+    valid = not bool((local < 0).any())
+    count = torch.tensor([local.numel() if valid else -1], dtype=torch.int64, device=device)
     counts_list = [int(c.item()) for c in all_gather_equal(count, dp_group)]
+    if min(counts_list) < 0:
+        bad = [rank for rank, c in enumerate(counts_list) if c < 0]
+        mine = f" (this rank's: {list(local_seqlens)})" if not valid else ""
+        raise ValueError(
+            f"sequence lengths must be non-negative token counts; DP ranks {bad} hold negative "
+            f"lengths{mine}. Check the dataset's samples (tokens of length ≥ 0)."
+        )
     padded = torch.zeros(max(counts_list), dtype=torch.int64, device=device)
     padded[: local.numel()] = local
     rows = all_gather_equal(padded, dp_group)

@@ -222,3 +222,18 @@ def test_collectives_run_on_the_cpu_under_gloo():
     """Under NCCL the lengths and samples travel on the rank's GPU; under gloo on the CPU."""
     results = run_distributed(_devices, 2, backend="gloo")
     assert results == [("cpu", (1, 2)), ("cpu", (1, 2))]
+
+
+def _negative_length_worker(rank: int, world_size: int) -> str:
+    local = [5, -3] if rank == 1 else [4, 7]
+    with pytest.raises(ValueError) as error:
+        gather_lengths(local, None)
+    return str(error.value)
+
+
+def test_a_negative_length_fails_every_rank_without_a_hang():
+    """Only rank 1 holds the bad length; every rank must raise (not wait in the exchange)."""
+    messages = run_distributed(_negative_length_worker, 3, timeout_s=30, collective_timeout_s=10)
+    for rank, message in enumerate(messages):
+        assert "DP ranks [1] hold negative lengths" in message
+        assert ("[5, -3]" in message) == (rank == 1)

@@ -209,7 +209,12 @@ def test_bad_distribution_names_the_flag(spec: str):
 
 @pytest.mark.parametrize(
     "text, match",
-    [("4\nfour\n", "line 2 reads 'four'"), ("4\n0\n", "line 2 reads '0'"), ("# x\n", "no lengths")],
+    [
+        ("4\nfour\n", "line 2 reads 'four'"),
+        ("4\n0\n", "line 2 reads '0'; write one positive integer"),
+        ("4\n-5\n", "line 2 reads '-5'; write one positive integer"),
+        ("# x\n", "no lengths"),
+    ],
 )
 def test_bad_lengths_file_names_the_flag_and_line(tmp_path: Path, text: str, match: str):
     path = tmp_path / "lengths.txt"
@@ -238,3 +243,43 @@ def test_source_errors_name_the_flags(tmp_path: Path):
     short = write_indexed(tmp_path / "short", [[1], [2]])
     with pytest.raises(ValueError, match="--data-path=.*no document of 2 or more tokens"):
         build_varlen_datasets(**{**common, "num_samples": (1, 0, 0)}, data_path=short)
+
+
+TRUNCATION_LOGGER = "megatron_dcp.integration.data.datasets"
+
+
+def test_truncated_indexed_documents_are_logged_once(tmp_path: Path, caplog):
+    """DOCUMENTS make samples of 4, 0, 11, 1, 29, 6 tokens: at --seq-length 8, two are longer
+    (11 and 29: 3 + 21 tokens dropped)."""
+    prefix = write_indexed(tmp_path / "docs", DOCUMENTS)
+    with caplog.at_level("WARNING", logger=TRUNCATION_LOGGER):
+        for _ in range(2):  # megatron asks again per VPP chunk: one line per source
+            build_varlen_datasets(
+                seq_length=8, vocab_size=100, seed=0, num_samples=(6, 0, 0), data_path=prefix
+            )
+    lines = [r.getMessage() for r in caplog.records if r.name == TRUNCATION_LOGGER]
+    assert lines == [
+        f"--data-path={prefix}: 2 of 6 sequences are longer than --seq-length 8 and are "
+        "truncated to it (24 tokens dropped, longest 29)"
+    ]
+
+
+def test_truncated_lengths_file_is_logged_and_a_fitting_one_is_not(tmp_path: Path, caplog):
+    path = tmp_path / "lengths.txt"
+    path.write_text("5\n100\n8\n9\n")
+    fitting = tmp_path / "short.txt"
+    fitting.write_text("5\n8\n")
+    with caplog.at_level("WARNING", logger=TRUNCATION_LOGGER):
+        for lengths_file in (path, fitting):
+            build_varlen_datasets(
+                seq_length=8,
+                vocab_size=100,
+                seed=0,
+                num_samples=(4, 0, 0),
+                lengths_file=str(lengths_file),
+            )
+    lines = [r.getMessage() for r in caplog.records if r.name == TRUNCATION_LOGGER]
+    assert lines == [
+        f"--varlen-lengths-file={path}: 2 of 4 sequences are longer than --seq-length 8 and are "
+        "truncated to it (93 tokens dropped, longest 100)"
+    ]

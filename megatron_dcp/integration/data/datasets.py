@@ -25,10 +25,13 @@ checks the source flags and builds the three splits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
+import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from megatron_dcp.integration.data.indexed import (
@@ -50,6 +53,8 @@ from megatron_dcp.integration.data.mock import (
 )
 
 DEFAULT_DISTRIBUTION = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"
+_LOG = logging.getLogger(__name__)
+_REPORTED: set = set()  # (source, --seq-length) pairs whose truncation this process logged
 SPLITS = ("train", "valid", "test")
 
 
@@ -113,7 +118,12 @@ def _indexed_datasets(config: VarlenDataConfig) -> Tuple[Optional[IndexedDocumen
             f"{DATA_PATH_FLAG}={prefix!r}: {prefix}.bin and {prefix}.idx not found; pass the "
             f"prefix written by megatron's tools/preprocess_data.py (without .bin/.idx)."
         )
-    total = len(open_indexed(prefix))
+    documents = open_indexed(prefix)
+    total = len(documents)
+    # A document of n tokens makes a sample of n - 1 (the labels are the tokens shifted by one).
+    report_truncation(
+        f"{DATA_PATH_FLAG}={prefix}", documents.sequence_lengths - 1, config.seq_length
+    )
     ranges = split_document_ranges(config.split, total)
     return tuple(
         _split_dataset(prefix, config, name, count, document_range)
@@ -170,6 +180,28 @@ def build_varlen_datasets(
     if config.data_path:
         return _indexed_datasets(config)
     if config.lengths_file:
-        return _mock_datasets(config, lengths_from_file(config.lengths_file))
+        lengths = lengths_from_file(config.lengths_file)
+        source = f"{LENGTHS_FILE_FLAG}={config.lengths_file}"
+        report_truncation(source, np.asarray(lengths.lengths), config.seq_length)
+        return _mock_datasets(config, lengths)
     spec = config.distribution or DEFAULT_DISTRIBUTION
     return _mock_datasets(config, parse_length_distribution(spec))
+
+
+def report_truncation(source: str, lengths: np.ndarray, seq_length: int) -> Optional[str]:
+    """How many of ``source``'s sequence ``lengths`` exceed ``--seq-length`` and are truncated
+    to it, and by how much: logged once per source and length (on rank 0 when distributed);
+    the message, None when no sequence is longer."""
+    over = lengths[lengths > seq_length] - seq_length
+    if over.size == 0:
+        return None
+    message = (
+        f"{source}: {over.size:,} of {lengths.size:,} sequences are longer than --seq-length "
+        f"{seq_length} and are truncated to it ({int(over.sum()):,} tokens dropped, longest "
+        f"{seq_length + int(over.max()):,})"
+    )
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    if (source, seq_length) not in _REPORTED and first_rank:
+        _LOG.warning(message)
+    _REPORTED.add((source, seq_length))
+    return message

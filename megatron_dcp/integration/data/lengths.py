@@ -214,20 +214,22 @@ def sample_lengths(
     return lengths
 
 
-def read_lengths(path: str) -> List[int]:
-    """One non-negative integer per line; blank lines and ``#`` comments are ignored."""
+def read_lengths(path: str, minimum: int = 0) -> List[int]:
+    """One integer ≥ ``minimum`` (0: non-negative, 1: positive) per line; blank lines and ``#``
+    comments are ignored."""
     try:
         text = Path(path).read_text()
     except OSError as error:
         raise ValueError(f"{LENGTHS_FLAG}={path!r}: cannot read the file ({error}).") from None
+    rule = "non-negative" if minimum == 0 else "positive" if minimum == 1 else f"≥ {minimum}"
     lengths = []
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        if not line.isdigit():
+        if not line.isdigit() or int(line) < minimum:
             raise ValueError(
-                f"{LENGTHS_FLAG}={path!r}: line {number} reads {line!r}; write one non-negative "
+                f"{LENGTHS_FLAG}={path!r}: line {number} reads {line!r}; write one {rule} "
                 f"integer (a sequence length in tokens) per line."
             )
         lengths.append(int(line))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Protocol, Tuple
 
 import numpy as np
@@ -68,27 +67,12 @@ def parse_length_distribution(spec: str) -> DistributionLengths:
     return DistributionLengths(distribution, spec)
 
 
-def _first_zero_line(path: str) -> Optional[Tuple[int, str]]:
-    """(line number, text) of the first length 0 in a lengths file, None when there is none."""
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        text = line.split("#", 1)[0].strip()
-        if text and int(text) == 0:
-            return number, text
-    return None
-
-
 def lengths_from_file(path: str) -> FileLengths:
     """Read a ``--varlen-lengths-file``: one positive length a line, ``#`` comments allowed."""
     try:
-        lengths = read_lengths(path)
+        lengths = read_lengths(path, minimum=1)  # a sequence needs at least 1 token
     except ValueError as error:
         raise renamed(error, LENGTHS_FILE_FLAG) from None
-    zero = _first_zero_line(path) if 0 in lengths else None
-    if zero is not None:
-        raise ValueError(
-            f"{LENGTHS_FILE_FLAG}={path!r}: line {zero[0]} reads {zero[1]!r}; a sequence needs "
-            f"at least 1 token: write a positive length or delete the line."
-        )
     return FileLengths(tuple(lengths), path)
 
 
