@@ -133,3 +133,43 @@ def test_rl_adapter_mtp_gradients_equal_single_process(samples, reference, depth
             torch.testing.assert_close(
                 grads[name] * num_tokens, grad, rtol=1e-4, atol=1e-5, msg=name
             )
+
+
+def record_mtp_terms(depth: int) -> list:
+    """Per depth, the sum of the MTP loss term each forward hands ``MTPLossAutoScaler`` (scale ×
+    token ratio × masked per-token losses: its contribution before the division by N). A forked
+    worker: the parent's class is untouched."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    sums, calls, original = [0.0] * depth, [0], mtp.MTPLossAutoScaler.apply
+
+    def apply(hidden, loss):
+        sums[calls[0] % depth] += float(loss.detach().double().sum())
+        calls[0] += 1
+        return original(hidden, loss)
+
+    mtp.MTPLossAutoScaler.apply = apply
+    return sums
+
+
+def dcp_mtp_terms(rank: int, world_size: int, samples, depth: int) -> list:
+    sums = record_mtp_terms(depth)
+    dcp_training_step(rank, world_size, samples, cp=2, budget=64, options=options(depth))
+    return sums
+
+
+def reference_mtp_terms(rank: int, world_size: int, samples, depth: int) -> list:
+    sums = record_mtp_terms(depth)
+    one_microbatch_reference(rank, world_size, samples, depth)
+    return sums
+
+
+def test_mtp_loss_value_of_each_depth_equals_single_process(samples):
+    """The MTP loss itself, depth by depth, summed over ranks and micro-batches, equals megatron's
+    single-process value (a swap of depths, or a ratio of the wrong depth, moves it)."""
+    depth = 2
+    ranks = run_distributed(dcp_mtp_terms, 4, samples, depth, timeout_s=180)
+    (expected,) = run_distributed(reference_mtp_terms, 1, samples, depth, timeout_s=180)
+    got = [sum(rank[d] for rank in ranks) for d in range(depth)]
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert abs(expected[0] - expected[1]) > 1e-3 * abs(expected[0])  # the depths differ
