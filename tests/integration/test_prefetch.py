@@ -3,6 +3,7 @@
 off, with the cost model refined after every step; evaluation calls in between, the last
 iteration and a step that raises leave no background thread or collective behind."""
 
+import contextlib
 import random
 import threading
 from typing import Sequence
@@ -49,58 +50,66 @@ def prefetch_threads() -> list:
     return [t for t in threading.enumerate() if t.name == "dcp-prefetch" and t.is_alive()]
 
 
+class Run:
+    """A tiny GPT (dp 2 × cp 2) trained through ``DCPSchedule``, as ``pretrain`` drives it."""
+
+    def __init__(self, prefetch: bool, last_iteration=None) -> None:
+        from megatron.core import parallel_state
+
+        init_megatron(cp=2, seed=OPTIONS.seed)
+        apply_patches()
+        (self.model,) = build_tiny_gpt(cp=2, options=OPTIONS)
+        config = DCPConfig.for_model(
+            self.model.config, BUDGET, vocab_size=OPTIONS.vocab_size, prefetch=prefetch
+        )
+        self.schedule = DCPSchedule(config, lambda line: None, last_iteration=last_iteration)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+
+    def stream(self, batches: Sequence[list]):
+        return iter(local_stream(batches, self.dp_rank, self.dp_size))
+
+    def call(self, iterator, forward_only: bool = False, step=forward_step) -> list:
+        """One call (a training step, or an evaluation with ``forward_only``); its losses."""
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            out = self.schedule(
+                forward_step_func=step,
+                data_iterator=iterator,
+                model=self.model,
+                num_microbatches=BATCH // self.dp_size,
+                forward_only=forward_only,
+            )
+        return [o["lm loss"].tolist() for o in out]
+
+    def pending(self) -> bool:
+        """A background preparation running or waiting to be taken."""
+        prefetcher = self.schedule.wrapper.prefetcher
+        return bool(prefetch_threads()) or (prefetcher is not None and prefetcher.job is not None)
+
+    def finish(self) -> None:
+        self.schedule.wrapper.close()
+        self.schedule.wrapper.groups.destroy()
+
+
 def training_run(
     rank: int, world_size: int, batches: Sequence[list], prefetch: bool, evaluate: bool = False
 ) -> dict:
     """``STEPS`` training calls on one data iterator (as in ``pretrain``), optionally an
     evaluation call on another iterator after each; losses, plans, and the thread state."""
-    from megatron.core import parallel_state
-
-    init_megatron(cp=2, seed=OPTIONS.seed)
-    apply_patches()
-    (model,) = build_tiny_gpt(cp=2, options=OPTIONS)
-    config = DCPConfig.for_model(
-        model.config, BUDGET, vocab_size=OPTIONS.vocab_size, prefetch=prefetch
-    )
+    step = {"n": 0}
+    run = Run(prefetch, last_iteration=lambda: step["n"] == STEPS)
     planned_with = record_cost_models()
     measure_deterministically()
-    step = {"n": 0}
-    schedule = DCPSchedule(config, lambda line: None, last_iteration=lambda: step["n"] == STEPS)
-    dp_rank, dp_size = (
-        parallel_state.get_data_parallel_rank(),
-        parallel_state.get_data_parallel_world_size(),
-    )
-    train = iter(local_stream(batches, dp_rank, dp_size))
-    share = BATCH // dp_size
+    train = run.stream(batches)
     losses, plans, eval_losses = [], [], []
     for n in range(1, STEPS + 1):
         step["n"] = n
-        out = schedule(
-            forward_step_func=forward_step,
-            data_iterator=train,
-            model=model,
-            num_microbatches=share,
-            forward_only=False,
-        )
-        losses.append([o["lm loss"].tolist() for o in out])
-        plans.append(schedule.wrapper.plan)
+        losses.append(run.call(train))
+        plans.append(run.schedule.wrapper.plan)
         if evaluate:
-            held_out = iter(local_stream(batches[:1], dp_rank, dp_size))
-            with torch.no_grad():
-                out = schedule(
-                    forward_step_func=forward_step,
-                    data_iterator=held_out,
-                    model=model,
-                    num_microbatches=share,
-                    forward_only=True,
-                )
-            eval_losses.append([o["lm loss"].tolist() for o in out])
-    prefetcher = schedule.wrapper.prefetcher
-    alive_at_end = bool(prefetch_threads()) or (
-        prefetcher is not None and prefetcher.job is not None
-    )
-    schedule.wrapper.close()
-    schedule.wrapper.groups.destroy()
+            eval_losses.append(run.call(run.stream(batches[:1]), forward_only=True))
+    alive_at_end = run.pending()
+    run.finish()
     return dict(
         losses=losses,
         plans=plans,
@@ -159,67 +168,38 @@ def test_prefetch_gives_the_plans_and_losses_of_no_prefetch(evaluate):
 
 def failing_step(rank: int, world_size: int, batches: Sequence[list]) -> dict:
     """The second training call raises inside the model step on every rank."""
-    from megatron.core import parallel_state
-
-    init_megatron(cp=2, seed=OPTIONS.seed)
-    apply_patches()
-    (model,) = build_tiny_gpt(cp=2, options=OPTIONS)
-    config = DCPConfig.for_model(model.config, BUDGET, vocab_size=OPTIONS.vocab_size, prefetch=True)
-    schedule = DCPSchedule(config, lambda line: None)
-    dp_rank, dp_size = (
-        parallel_state.get_data_parallel_rank(),
-        parallel_state.get_data_parallel_world_size(),
-    )
-    train = iter(local_stream(batches, dp_rank, dp_size))
-    kwargs = dict(data_iterator=train, model=model, num_microbatches=BATCH // dp_size)
-    schedule(forward_step_func=forward_step, forward_only=False, **kwargs)
-    started = bool(prefetch_threads()) or schedule.wrapper.prefetcher.job is not None
+    run = Run(prefetch=True)
+    train = run.stream(batches)
+    run.call(train)
+    started = run.pending()
 
     def broken(iterator, model):
         raise RuntimeError("broken forward step")
 
     with pytest.raises(RuntimeError, match="broken forward step"):
-        schedule(forward_step_func=broken, forward_only=False, **kwargs)
-    left = dict(
-        started=started, threads=len(prefetch_threads()), job=schedule.wrapper.prefetcher.job
-    )
-    schedule.wrapper.groups.destroy()
+        run.call(train, step=broken)
+    left = dict(started=started, pending=run.pending())
+    run.finish()
     return left
 
 
 def test_a_step_that_raises_leaves_no_thread_behind():
     for result in run_distributed(failing_step, 4, global_batches(), timeout_s=TIMEOUT_S):
         assert result["started"], "the first step should have started a prefetch"
-        assert result["threads"] == 0 and result["job"] is None
+        assert not result["pending"]
 
 
 def run_out_of_data(rank: int, world_size: int, batches: Sequence[list]) -> dict:
     """Without the last-iteration signal the wrapper prefetches past the data: the error stays
     in the background and ``close`` drops it."""
-    from megatron.core import parallel_state
-
-    init_megatron(cp=2, seed=OPTIONS.seed)
-    apply_patches()
-    (model,) = build_tiny_gpt(cp=2, options=OPTIONS)
-    config = DCPConfig.for_model(model.config, BUDGET, vocab_size=OPTIONS.vocab_size, prefetch=True)
-    schedule = DCPSchedule(config, lambda line: None)
-    dp_rank, dp_size = (
-        parallel_state.get_data_parallel_rank(),
-        parallel_state.get_data_parallel_world_size(),
-    )
-    train = iter(local_stream(batches[:2], dp_rank, dp_size))
+    run = Run(prefetch=True)
+    train = run.stream(batches[:2])
     for _ in range(2):
-        schedule(
-            forward_step_func=forward_step,
-            data_iterator=train,
-            model=model,
-            num_microbatches=BATCH // dp_size,
-            forward_only=False,
-        )
-    schedule.wrapper.close()
-    left = len(prefetch_threads())
-    schedule.wrapper.groups.destroy()
-    return dict(threads=left)
+        run.call(train)
+    run.schedule.wrapper.close()
+    left = dict(threads=len(prefetch_threads()))
+    run.finish()
+    return left
 
 
 def test_prefetching_past_the_data_fails_nothing():

@@ -26,7 +26,8 @@ def write_documents(prefix: Path, count: int, seed: int = 0) -> str:
     return str(prefix)
 
 
-def test_training_on_indexed_documents(tmp_path):
+def indexed_run_options(tmp_path, documents: int, **overrides) -> dict:
+    """A tiny CP2 DCP run over indexed documents with evaluation (flag -> value)."""
     options = {
         "--dynamic-context-parallel": True,
         "--context-parallel-size": 2,
@@ -44,10 +45,15 @@ def test_training_on_indexed_documents(tmp_path):
         "--lr": 1e-3,
         "--tokenizer-type": "NullTokenizer",
         "--vocab-size": 128,
-        "--data-path": write_documents(tmp_path / "corpus", 60),
+        "--data-path": write_documents(tmp_path / "corpus", documents),
         "--split": "80,10,10",
         "--log-interval": 1,
     }
+    return {**options, **overrides}
+
+
+def test_training_on_indexed_documents(tmp_path):
+    options = indexed_run_options(tmp_path, 60)
     log = run_pretrain(flag_list(options), 2, tmp_path / "run.log", timeout_s=300)
     assert sorted(log.losses) == [1, 2, 3] and sorted(log.dcp) == [1, 2, 3]
     assert all(4.0 < loss < 6.0 for loss in log.losses.values())  # ≈ ln(128) at the start
@@ -59,28 +65,9 @@ def test_prefetch_on_and_off_train_alike(tmp_path):
     """--dcp-prefetch on (the default) and off: the same training and validation losses, bit for
     bit (a fixed cost model: refined coefficients follow measured times, which differ between
     runs), with evaluation between training steps and after the last one."""
-    options = {
-        "--dynamic-context-parallel": True,
-        "--context-parallel-size": 2,
-        "--max-seqlen-per-dp-cp-rank": 128,
-        "--num-layers": 2,
-        "--hidden-size": 32,
-        "--num-attention-heads": 4,
-        "--seq-length": 256,
-        "--max-position-embeddings": 256,
-        "--micro-batch-size": 1,
-        "--global-batch-size": 6,
-        "--train-iters": 4,
-        "--eval-iters": 1,
-        "--eval-interval": 2,
-        "--lr": 1e-3,
-        "--tokenizer-type": "NullTokenizer",
-        "--vocab-size": 128,
-        "--data-path": write_documents(tmp_path / "corpus", 80),
-        "--split": "80,10,10",
-        "--log-interval": 1,
-        "--dcp-cost-adapt": "off",
-    }
+    options = indexed_run_options(
+        tmp_path, 80, **{"--train-iters": 4, "--eval-interval": 2, "--dcp-cost-adapt": "off"}
+    )
     on = run_pretrain(flag_list(options), 4, tmp_path / "on.log", timeout_s=300)
     options["--dcp-prefetch"] = "off"
     off = run_pretrain(flag_list(options), 4, tmp_path / "off.log", timeout_s=300)
