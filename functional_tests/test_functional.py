@@ -2,7 +2,9 @@
 
 1. ten iterations, saving a checkpoint every five: per-iteration ``lm loss`` within
    ``GOLDEN_RTOL`` of ``golden_values.json``;
-2. resumed from the iteration-5 checkpoint: iterations 6-10 reproduce run 1 (``RESUME_RTOL``);
+2. resumed from the iteration-5 checkpoint: iterations 6-10 reproduce run 1 (``RESUME_RTOL``),
+   both runs with ``--dcp-prefetch on`` (the default): the batch prefetched after the saved
+   iteration is neither lost nor skipped;
 3. the same job with ``--sequence-packing-scheduler dp_balanced`` (static CP): the same losses
    (``STATIC_RTOL``) — DCP changes speed, never math.
 """
@@ -55,6 +57,7 @@ def test_resume_reproduces_the_uninterrupted_run(full_run):
     expected[start + 2] = (log.losses[start + 1] + log.losses[start + 2]) / 2
     assert_losses(resumed.losses, expected, RESUME_RTOL, "resumed run")
     assert sorted(resumed.dcp) == sorted(expected), "DCP lines carry megatron's iteration"
+    assert "DCP prefetch: on" in log.output and "DCP prefetch: on" in resumed.output
 
 
 def test_static_cp_gives_the_same_losses(full_run):
