@@ -1,7 +1,8 @@
 """Zero-length samples inside a CP group, in the RL adapter: ``shard_per_token`` lays out
 per-token values exactly like the packed tokens, and ``merge_outputs`` gives every sample's
 values back (empty ones empty), with the empty samples first, in the middle and last in a group
-of a plan the caller passes in, and wherever the planner puts them in a plan made here."""
+of a plan the caller passes in, in groups holding nothing but empty samples, and wherever the
+planner puts them in a plan made here."""
 
 import pytest
 
@@ -31,6 +32,17 @@ CALLER_PLAN = Plan(
     Domain(2, 2, BUDGET),
     (MicroBatch((CPGroup((0, 1), (0, 1, 2, 3, 4)), CPGroup((2, 3), (5, 6, 7)))),),
 )
+# Two micro-batches: a CP-2 group (0, 1) and then a CP-1 group (2,) hold only empty samples (each
+# packs one all-padding sequence, which must not shift any other sample's tokens).
+ALL_EMPTY_PLAN = Plan(
+    tuple(LENGTHS),
+    Domain(2, 2, BUDGET),
+    (
+        MicroBatch((CPGroup((0, 1), (0, 2)), CPGroup((2,), (1,)), CPGroup((3,), (3,)))),
+        MicroBatch((CPGroup((0, 1), (5,)), CPGroup((2,), (4, 6)), CPGroup((3,), (7,)))),
+    ),
+)
+PLANS = {"caller-plan": CALLER_PLAN, "all-empty-groups": ALL_EMPTY_PLAN, "planned": None}
 
 
 def values_of(lengths) -> list:
@@ -38,14 +50,18 @@ def values_of(lengths) -> list:
     return [torch.arange(n, dtype=torch.float64) + 1000 * j for j, n in enumerate(lengths)]
 
 
-def round_trip(rank: int, world_size: int, caller_plan: bool) -> dict:
+def per_token_model(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a model's per-token output with a feature dimension: ``[..., 2]``."""
+    return torch.stack([tokens.double(), labels.double() ** 2 + 0.5], dim=-1)
+
+
+def round_trip(rank: int, world_size: int, plan_name: str) -> dict:
     init_megatron(cp=2)
     groups = create_dcp_groups()
     samples = make_samples(LENGTHS)
     config = DCPConfig(max_seqlen_per_dp_cp_rank=BUDGET, cp_size=2)
-    split = split_batch(
-        samples, groups, config, plan=CALLER_PLAN.validate() if caller_plan else None
-    )
+    plan = PLANS[plan_name]
+    split = split_batch(samples, groups, config, plan=plan.validate() if plan else None)
     laid_out_like_packing = all(
         torch.equal(
             shard_per_token([s[name] for s in samples], split, index), getattr(mb.packed, name)
@@ -55,6 +71,8 @@ def round_trip(rank: int, world_size: int, caller_plan: bool) -> dict:
     )
     shards = [shard_per_token(values_of(LENGTHS), split, i) for i in range(len(split.microbatches))]
     merged = merge_outputs(shards, split, groups)
+    outputs = [per_token_model(mb.packed.tokens, mb.packed.labels) for mb in split.microbatches]
+    modelled = merge_outputs(outputs, split, groups)
     groups.destroy()
     positions = [
         (group.sample_ids.index(j), len(group.sample_ids))
@@ -63,17 +81,26 @@ def round_trip(rank: int, world_size: int, caller_plan: bool) -> dict:
         for j in group.sample_ids
         if LENGTHS[j] == 0
     ]
-    return dict(laid_out=laid_out_like_packing, merged=merged, empty_positions=positions)
+    return dict(
+        laid_out=laid_out_like_packing, merged=merged, modelled=modelled, empty_positions=positions
+    )
 
 
-@pytest.mark.parametrize("caller_plan", [True, False], ids=["caller-plan", "planned"])
-def test_zero_length_samples_round_trip(caller_plan):
-    results = run_distributed(round_trip, 4, caller_plan, timeout_s=60)
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_zero_length_samples_round_trip(plan_name):
+    results = run_distributed(round_trip, 4, plan_name, timeout_s=60)
+    # The same per-token function on the un-sharded samples: sample j gives [len_j, 2].
+    unsharded = [per_token_model(s["tokens"], s["labels"]) for s in make_samples(LENGTHS)]
     for result in results:
         assert result["laid_out"]
+        assert len(result["merged"]) == len(result["modelled"]) == len(LENGTHS)
         for got, want in zip(result["merged"], values_of(LENGTHS)):
-            assert torch.equal(got, want)
+            assert got.shape == want.shape and torch.equal(got, want)
+        for got, want in zip(result["modelled"], unsharded):
+            assert got.shape == want.shape and torch.equal(got, want)
+    assert [tuple(t.shape) for t in unsharded] == [(n, 2) for n in LENGTHS]
     placed = results[0]["empty_positions"]
-    assert any(size > 1 for _, size in placed), "no empty sample shares a group"
-    if caller_plan:
+    if plan_name == "caller-plan":
         assert {index for index, _ in placed} >= {0, 2, 4}  # first, middle, last of (0..4)
+    if plan_name != "all-empty-groups":
+        assert any(size > 1 for _, size in placed), "no empty sample shares a group"
