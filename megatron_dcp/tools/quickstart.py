@@ -37,8 +37,8 @@ MODEL: Dict[str, object] = {
     "--micro-batch-size": 1,
     "--global-batch-size": 16,
     "--hidden-dropout": 0.0,
-    "--lr": 1e-3,
-    "--min-lr": 1e-3,
+    "--lr": 3e-3,  # the mock data is learnable: the loss falls visibly within five steps
+    "--min-lr": 3e-3,
     "--lr-decay-style": "constant",
     "--tokenizer-type": "NullTokenizer",
     "--vocab-size": 128,
@@ -156,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i in dcp.losses
     )
     print(f"losses agree to {LOSS_RTOL:g} relative: {'yes' if agree else 'NO'}")
+    first, last = dcp.losses[min(dcp.losses)], dcp.losses[max(dcp.losses)]
+    print(
+        f"loss from iteration 1 to {max(dcp.losses)}: {first:.3f} -> {last:.3f} "
+        f"({(first - last) / first:.1%} lower; the mock tokens follow a learnable Markov chain)"
+    )
     print(f"plan picture of iteration 1: {args.out / 'plan_iteration1.png'}; logs in {args.out}/")
     return 0 if agree else 1
 

@@ -283,3 +283,22 @@ def test_truncated_lengths_file_is_logged_and_a_fitting_one_is_not(tmp_path: Pat
         f"--varlen-lengths-file={path}: 2 of 4 sequences are longer than --seq-length 8 and are "
         "truncated to it (93 tokens dropped, longest 100)"
     ]
+
+
+def test_mock_tokens_follow_a_seeded_markov_chain():
+    """About FOLLOW of the transitions go to the token's successor (fixed by the seed, the same
+    in every split): structure a model learns, where uniform tokens leave the loss at ln V."""
+    from megatron_dcp.integration.data.mock import FOLLOW, VarlenMockDataset
+
+    lengths = parse_length_distribution("uniform:min=200,max=400")
+    train = VarlenMockDataset(40, lengths, 128, seed=5)
+    valid = VarlenMockDataset(40, lengths, 128, seed=5, split="valid")
+    assert (train.successors == valid.successors).all()
+    assert not (train.successors == VarlenMockDataset(1, lengths, 128, seed=6).successors).all()
+    followed = total = 0
+    for i in range(40):
+        tokens = torch.cat([train[i]["tokens"], train[i]["labels"][-1:]])
+        check_item(train[i], vocab=128)
+        followed += int((torch.from_numpy(train.successors)[tokens[:-1]] == tokens[1:]).sum())
+        total += len(tokens) - 1
+    assert abs(followed / total - (FOLLOW + (1 - FOLLOW) / 127)) < 0.02
