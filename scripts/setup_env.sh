@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh CPU machine (Python 3.11): creates .venv in the repository root with
 # torch 2.13.0 (CPU wheel), megatron-core 0.19.2 and megatron_dcp in editable mode, plus the test
-# tools and the plot extra. A second run only checks (≈1 s). Why each step (docs/cpu_backend.md):
+# tools, the plot extra and the verl extra (verl 0.9.1 for its dynamic-CP tests). A second run only
+# checks (≈1 s). Why each step (docs/cpu_backend.md):
 #   * torch first and pinned, so nothing later pulls a CUDA build;
 #   * megatron-core ≥0.17 declares Requires-Python ≥3.12 although its cp311 wheel works: install it
 #     with --ignore-requires-python --no-deps (its runtime deps, numpy and packaging, come first);

@@ -100,10 +100,6 @@ class Prefetcher(Generic[Result]):
             self.job.thread.join()
             self.job = None
 
-    @property
-    def running(self) -> bool:
-        return self.job is not None and self.job.thread.is_alive()
-
     def _run(self) -> None:
         job = self.job
         assert job is not None

@@ -80,24 +80,16 @@ class Plan:
     def digest(self) -> int:
         """A 63-bit digest of the plan (lengths, micro-batches, VPP group size): equal on every
         rank that holds the same plan, whatever the process (no salted ``hash``)."""
-        hasher = hashlib.blake2b(digest_size=8)
-        hasher.update(array("q", self.seqlens).tobytes())
-        hasher.update(array("q", [self.microbatch_group_size_per_vp_stage or 0]).tobytes())
-        values = array("q")  # per micro-batch, decodably: G, the G group sizes, their sample
-        for microbatch in self.microbatches:  # counts, their sample ids (ids name the lengths)
-            groups = microbatch.groups
-            values.append(len(groups))
-            values.extend(map(len, map(RANKS, groups)))
-            values.extend(map(len, map(SAMPLE_IDS, groups)))
-            values.extend(chain.from_iterable(map(SAMPLE_IDS, groups)))
-        hasher.update(values.tobytes())
-        return _bits(hasher.digest())
+        values = array("q", self.seqlens)
+        values.append(self.microbatch_group_size_per_vp_stage or 0)
+        for microbatch in self.microbatches:  # the ids name the lengths: hashed once above
+            _append_microbatch(values, microbatch)
+        return _digest(values)
 
     def microbatch_digests(self) -> Tuple[int, ...]:
         """One 63-bit digest per micro-batch: its groups, their samples and the samples' lengths."""
         return tuple(
-            _bits(hashlib.blake2b(_microbatch_bytes(mb, self.seqlens), digest_size=8).digest())
-            for mb in self.microbatches
+            _digest(_append_microbatch(array("q"), mb, self.seqlens)) for mb in self.microbatches
         )
 
     def validate(self) -> "Plan":
@@ -159,16 +151,23 @@ class Plan:
             )
 
 
-def _microbatch_bytes(microbatch: MicroBatch, seqlens: Tuple[int, ...]) -> bytes:
-    """Each group's first rank, size, sample count, sample ids and lengths as int64 bytes."""
-    values = array("q")
-    for group in microbatch.groups:
-        ids = group.sample_ids
-        values.extend((group.ranks[0], len(group.ranks), len(ids)))
-        values.extend(ids)
-        values.extend(map(seqlens.__getitem__, ids))
-    return values.tobytes()
+def _append_microbatch(
+    values: array, microbatch: MicroBatch, seqlens: Optional[Tuple[int, ...]] = None
+) -> array:
+    """Append ``microbatch`` to ``values`` decodably: the group count G, the G group sizes, their
+    sample counts, their sample ids and, given ``seqlens``, those samples' lengths (groups are
+    in position order and partition the domain, so the sizes fix where each starts)."""
+    groups = microbatch.groups
+    values.append(len(groups))
+    values.extend(map(len, map(RANKS, groups)))
+    values.extend(map(len, map(SAMPLE_IDS, groups)))
+    values.extend(chain.from_iterable(map(SAMPLE_IDS, groups)))
+    if seqlens is not None:
+        values.extend(map(seqlens.__getitem__, chain.from_iterable(map(SAMPLE_IDS, groups))))
+    return values
 
 
-def _bits(raw: bytes) -> int:
+def _digest(values: array) -> int:
+    """63 bits of BLAKE2b over ``values``' bytes."""
+    raw = hashlib.blake2b(values.tobytes(), digest_size=8).digest()
     return int.from_bytes(raw, "little") >> (64 - DIGEST_BITS)

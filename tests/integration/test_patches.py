@@ -23,7 +23,7 @@ def dcp_params(group, size):
 
 
 def current_targets(entry):
-    return [getattr(*entry.resolve(target)) for target in entry.targets]
+    return [getattr(*table.resolve(target)) for target in entry.targets]
 
 
 def test_apply_is_idempotent_and_restore_puts_the_originals_back():

@@ -188,13 +188,13 @@ def build_varlen_datasets(
     return _mock_datasets(config, parse_length_distribution(spec))
 
 
-def report_truncation(source: str, lengths: np.ndarray, seq_length: int) -> Optional[str]:
-    """How many of ``source``'s sequence ``lengths`` exceed ``--seq-length`` and are truncated
-    to it, and by how much: logged once per source and length (on rank 0 when distributed);
-    the message, None when no sequence is longer."""
+def report_truncation(source: str, lengths: np.ndarray, seq_length: int) -> None:
+    """Log how many of ``source``'s sequence ``lengths`` exceed ``--seq-length`` and are
+    truncated to it, and by how much: once per source and length (on rank 0 when distributed),
+    and only when some sequence is longer."""
     over = lengths[lengths > seq_length] - seq_length
     if over.size == 0:
-        return None
+        return
     message = (
         f"{source}: {over.size:,} of {lengths.size:,} sequences are longer than --seq-length "
         f"{seq_length} and are truncated to it ({int(over.sum()):,} tokens dropped, longest "
@@ -204,4 +204,3 @@ def report_truncation(source: str, lengths: np.ndarray, seq_length: int) -> Opti
     if (source, seq_length) not in _REPORTED and first_rank:
         _LOG.warning(message)
     _REPORTED.add((source, seq_length))
-    return message

@@ -49,6 +49,16 @@ TE_INSTALLED = Condition("Transformer Engine installed", _te_installed)
 Replace = Callable[[Any, Any], Any]
 
 
+def resolve(target: str) -> Tuple[Any, str]:
+    """The owner object and attribute name of a ``"module:qualname"`` target."""
+    module, qualname = target.split(":")
+    owner = importlib.import_module(module)
+    *path, attr = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
 @dataclass(frozen=True)
 class Patch:
     """One entry of the patch table. ``targets`` are ``"module:qualname"`` strings, all replaced
@@ -62,20 +72,11 @@ class Patch:
     when: Condition = ALWAYS
     versions: Tuple[Tuple[int, int], ...] = SUPPORTED_VERSIONS
 
-    def resolve(self, target: str) -> Tuple[Any, str]:
-        """The owner object and attribute name of one target."""
-        module, qualname = target.split(":")
-        owner = importlib.import_module(module)
-        *path, attr = qualname.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        return owner, attr
-
     def install(self) -> List[Tuple[Any, str, Any]]:
         """Replace every target; returns (owner, attribute, original) of each."""
         saved = []
         for target in self.targets:
-            owner, attr = self.resolve(target)
+            owner, attr = resolve(target)
             original = getattr(owner, attr, MISSING)
             setattr(owner, attr, self.replace(owner, original))
             saved.append((owner, attr, original))

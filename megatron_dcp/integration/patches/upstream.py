@@ -5,11 +5,10 @@ installed megatron-core lacks its name, so a megatron-core that has it natively 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from typing import Any, Callable, Tuple
 
-from megatron_dcp.integration.patches.table import MISSING, Condition, Patch
+from megatron_dcp.integration.patches.table import MISSING, Condition, Patch, resolve
 
 PARALLEL_STATE = "megatron.core.parallel_state"
 DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
@@ -30,11 +29,7 @@ UPSTREAM_NAMES = (
 
 
 def _attribute(target: str) -> Any:
-    module, qualname = target.split(":")
-    owner = importlib.import_module(module)
-    for part in qualname.split("."):
-        owner = getattr(owner, part, MISSING)
-    return owner
+    return getattr(*resolve(target), MISSING)
 
 
 def has_name(name: str) -> bool:
