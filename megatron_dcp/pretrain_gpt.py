@@ -59,7 +59,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     train(args, config, model_config)
 
 
-__all__ = ["CPU_DEFAULTS", "check_args", "datasets_provider", "extra_args", "main", "parse_args"]
+__all__ = [
+    "CPU_DEFAULTS",
+    "check_args",
+    "datasets_provider",
+    "extra_args",
+    "main",
+    "parse_args",
+]
 
 if __name__ == "__main__":
     main()

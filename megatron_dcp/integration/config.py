@@ -23,6 +23,7 @@ from megatron_dcp.integration.cost_models import (
     model_shape_from_args,
     model_shape_of,
 )
+from megatron_dcp.integration.data.datasets import add_data_args
 from megatron_dcp.integration.nodes import RANKS_PER_NODE_FLAG, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
@@ -90,16 +91,7 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"Scheduler of DCP (default {DEFAULT_SCHEDULER}); dp_balanced is the static-CP "
         "baseline.",
     )
-    group.add_argument(
-        "--varlen-distribution",
-        default=None,
-        help="Mock variable-length data, e.g. 'lognormal:mean=1024,sigma=1.5,min=128,max=8192'.",
-    )
-    group.add_argument(
-        "--varlen-lengths-file",
-        default=None,
-        help="Mock data whose lengths are read from this file (one per line).",
-    )
+    add_data_args(group)
     group.add_argument(
         PREFETCH_FLAG,
         default="on",

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 from megatron.core.enums import ModelType
-from megatron.training import get_args, pretrain
+from megatron.training import get_args, get_tokenizer, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import print_rank_0, print_rank_last
@@ -21,6 +21,7 @@ from megatron.training.utils import print_rank_0, print_rank_last
 from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args
 from megatron_dcp.integration.cost_models import describe_cost
 from megatron_dcp.integration.cpu.training import cpu_notice
+from megatron_dcp.integration.data.chat import chat_tokenizer, check_tokenizer_type
 from megatron_dcp.integration.data.datasets import build_varlen_datasets
 from megatron_dcp.integration.gpt_step import forward_step
 from megatron_dcp.integration.patches import apply_patches
@@ -88,6 +89,8 @@ def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConf
             "turned it off): sums of per-token losses divided by the global token count are the "
             "only loss that stays right when ranks run different CP groups."
         )
+    if args.sft_data:
+        check_tokenizer_type(args.tokenizer_type)
     config = DCPConfig.from_args(args)
     check_domain(args, config)
     return config
@@ -112,6 +115,7 @@ def datasets_provider(train_val_test_num_samples: List[int], vp_stage: Optional[
     """megatron's dataset provider: variable-length samples, one sequence each. With VPP megatron
     asks once per model chunk; the DCP wrapper reads the samples from the first chunk's."""
     args = get_args()
+    chat = chat_tokenizer(get_tokenizer(), args.tokenizer_type) if args.sft_data else None
     return build_varlen_datasets(
         seq_length=args.seq_length,
         vocab_size=args.padded_vocab_size or args.vocab_size,
@@ -121,6 +125,10 @@ def datasets_provider(train_val_test_num_samples: List[int], vp_stage: Optional[
         lengths_file=args.varlen_lengths_file,
         data_path=args.data_path,
         split=args.split,
+        sft_data=args.sft_data,
+        chat=chat,
+        loss_on_prompt=args.sft_loss_on_prompt,
+        skip_invalid=args.sft_skip_invalid,
     )
 
 

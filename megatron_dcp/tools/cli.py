@@ -1,8 +1,9 @@
 """``megatron-dcp`` command line: simulate schedulers on a workload, run the reference benchmark,
-fuzz the plan invariants, calibrate the cost model on the real backend. ``main(argv)`` returns
+fuzz the plan invariants, calibrate the cost model on the real backend, write a generated
+SFT corpus. ``main(argv)`` returns
 the exit code (0 ok, 1 fuzz violations or a failed calibration, 2 bad input).
 
-One module per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``), each with its ``add_*`` parser
+One module per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``, ``sft_corpus``), each with its ``add_*`` parser
 function and ``cmd_*``; this module assembles the parser and holds what they share: the argument
 types and the wording of scheduling errors in the simulator's flags.
 """
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_dcp.tools.benchmark import add_benchmark
     from megatron_dcp.tools.calibrate import add_calibrate
     from megatron_dcp.tools.fuzz_command import add_fuzz
+    from megatron_dcp.tools.sft_corpus import add_sft_corpus
     from megatron_dcp.tools.simulate import add_simulate
 
     parser = argparse.ArgumentParser(
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_benchmark(sub)
     add_fuzz(sub)
     add_calibrate(sub)
+    add_sft_corpus(sub)
     return parser
 
 

@@ -1,7 +1,11 @@
 """Quick-start: train a tiny GPT on 8 CPU ranks (TP2 × CP4) twice on the same variable-length
 data — static CP (``dp_balanced``) and DCP (``default_dynamic_cp``) — and compare them.
 
-    python -m megatron_dcp.tools.quickstart [--iters 5] [--out quickstart_out]
+    python -m megatron_dcp.tools.quickstart [--iters 5] [--out quickstart_out] [--sft]
+
+The data are mock sequences (a learnable Markov chain), or with ``--sft`` generated
+conversations (``megatron-dcp sft-corpus``) rendered with a tokenizer trained on them, with only
+the assistant's tokens in the loss.
 
 Prints the per-iteration loss of both runs (they must agree: DCP changes speed, never math), the
 micro-batch counts, CP-size histograms, per-rank load imbalance and throughput, and writes the
@@ -49,12 +53,31 @@ MODEL: Dict[str, object] = {
     "--log-interval": 1,
     "--dcp-hardware-profile": "cpu-gloo",
 }
+MOCK_DATA = ("--tokenizer-type", "--vocab-size", "--varlen-distribution")
+SFT_CONVERSATIONS = 2000
 SCHEDULERS = ("dp_balanced", "default_dynamic_cp")
 LOSS_RTOL = 1e-5
+DATA_NOTE = {
+    False: "the mock tokens follow a learnable Markov chain",
+    True: "the loss is the mean over the assistant's tokens",
+}
 
 
-def train(scheduler: str, iters: int, out: Path) -> RunLog:
-    options = {**MODEL, "--train-iters": iters, "--sequence-packing-scheduler": scheduler}
+def sft_model(out: Path) -> Dict[str, object]:
+    """:data:`MODEL` on generated conversations and the tokenizer trained on them."""
+    from megatron_dcp.tools.sft_corpus import write_sft_corpus
+
+    paths = write_sft_corpus(out / "sft_data", SFT_CONVERSATIONS)
+    return {
+        **{flag: value for flag, value in MODEL.items() if flag not in MOCK_DATA},
+        "--tokenizer-type": "HuggingFaceTokenizer",
+        "--tokenizer-model": str(paths["tokenizer"]),
+        "--sft-data": str(paths["corpus"]),
+    }
+
+
+def train(model: Dict[str, object], scheduler: str, iters: int, out: Path) -> RunLog:
+    options = {**model, "--train-iters": iters, "--sequence-packing-scheduler": scheduler}
     print(f"quickstart: training with {scheduler} on {NPROC} CPU ranks (tp {TP}, cp {CP}) ...")
     return run_pretrain(flag_list(options), NPROC, out / f"{scheduler}.log")
 
@@ -82,54 +105,75 @@ def comparison(static: RunLog, dcp: RunLog) -> List[str]:
     return rows
 
 
-def first_batch_lengths() -> List[int]:
+def first_batch_lengths(model: Dict[str, object]) -> List[int]:
     """Lengths of iteration 1's global batch in the order the runs planned it (one DP rank:
     megatron's sampler hands out samples 0 .. global batch size − 1 in order)."""
+    from megatron_dcp.integration.data.chat import chat_tokenizer_from_dir
     from megatron_dcp.integration.data.datasets import build_varlen_datasets
 
+    sft = "--sft-data" in model
     train_ds, _, _ = build_varlen_datasets(
-        seq_length=int(MODEL["--seq-length"]),
-        vocab_size=int(MODEL["--vocab-size"]),
-        seed=int(MODEL["--seed"]),
-        num_samples=[int(MODEL["--global-batch-size"]), 0, 0],
-        distribution=str(MODEL["--varlen-distribution"]),
+        seq_length=int(model["--seq-length"]),
+        vocab_size=int(model.get("--vocab-size", 0)),
+        seed=int(model["--seed"]),
+        num_samples=[int(model["--global-batch-size"]), 0, 0],
+        distribution=model.get("--varlen-distribution"),
+        sft_data=model.get("--sft-data"),
+        chat=chat_tokenizer_from_dir(str(model["--tokenizer-model"])) if sft else None,
     )
     return [train_ds.sequence_length(i) for i in range(len(train_ds))]
 
 
-def run_cost_model() -> CostModel:
+def run_cost_model(model: Dict[str, object]) -> CostModel:
     """The cost model the runs planned iteration 1 with, built from the model flags exactly as
-    ``DCPConfig.from_args`` builds it."""
+    ``DCPConfig.from_args`` builds it, with the vocabulary megatron pads when it builds the
+    tokenizer (while parsing the arguments, before the DCP checks)."""
     from megatron_dcp.integration.config import cost_model_from_args
+    from megatron_dcp.integration.megatron_import import import_megatron_core
 
-    names = {flag.lstrip("-").replace("-", "_"): value for flag, value in MODEL.items()}
-    return cost_model_from_args(argparse.Namespace(**names))
+    import_megatron_core()
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    names = {flag.lstrip("-").replace("-", "_"): value for flag, value in model.items()}
+    args = argparse.Namespace(**names, make_vocab_size_divisible_by=128, rank=0)
+    args.padded_vocab_size = vocab_size_with_padding(tokenizer_vocabulary(model), args, False)
+    return cost_model_from_args(args)
 
 
-def first_plans(lengths: Sequence[int]) -> Dict[str, Plan]:
+def tokenizer_vocabulary(model: Dict[str, object]) -> int:
+    """The tokenizer's vocabulary before padding: ``--vocab-size`` (NullTokenizer) or the
+    trained tokenizer's (``--sft``)."""
+    if "--sft-data" not in model:
+        return int(model["--vocab-size"])
+    from megatron_dcp.integration.data.chat import chat_tokenizer_from_dir
+
+    return len(chat_tokenizer_from_dir(str(model["--tokenizer-model"])).tokenizer)
+
+
+def first_plans(model: Dict[str, object], lengths: Sequence[int]) -> Dict[str, Plan]:
     """Iteration 1 planned by both schedulers as the runs planned it (with the runs' cost
     model)."""
-    cost = run_cost_model()
+    cost = run_cost_model(model)
     plans = {}
     for name in SCHEDULERS:
         scheduler = build_scheduler(
             name,
             dp_size=NPROC // (TP * CP),
             cp_size=CP,
-            max_seqlen_per_dp_cp_rank=int(MODEL["--max-seqlen-per-dp-cp-rank"]),
+            max_seqlen_per_dp_cp_rank=int(model["--max-seqlen-per-dp-cp-rank"]),
             cost_model=cost,
         )
         plans[name] = scheduler.schedule(lengths)
     return plans
 
 
-def plot_first_plans(lengths: Sequence[int], path: Path) -> Dict[str, int]:
+def plot_first_plans(model: Dict[str, object], path: Path) -> Dict[str, int]:
     """Plan iteration 1 with both schedulers (as the runs did) and draw them side by side."""
     from megatron_dcp.tools.plot import plan_panel, plot_panels
     from megatron_dcp.tools.simulator import report
 
-    cost, panels = run_cost_model(), []
-    plans = first_plans(lengths)
+    cost, panels = run_cost_model(model), []
+    plans = first_plans(model, first_batch_lengths(model))
     for name, plan in plans.items():
         panels.append(plan_panel(plan, cost, report(name, plan, cost)))
     plot_panels(panels, str(path), suptitle="iteration 1: static CP (left) and DCP (right)")
@@ -140,13 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("quickstart_out"))
+    parser.add_argument(
+        "--sft", action="store_true", help="Train on generated conversations (assistant loss)."
+    )
     args = parser.parse_args(argv)
     require_matplotlib("the quick-start's plan picture")  # before minutes of training
     warnings.filterwarnings("ignore")  # megatron's import-time notices about absent TE/APEX
     args.out.mkdir(parents=True, exist_ok=True)
-    static, dcp = (train(name, args.iters, args.out) for name in SCHEDULERS)
+    model = sft_model(args.out) if args.sft else MODEL
+    static, dcp = (train(model, name, args.iters, args.out) for name in SCHEDULERS)
     print("\n".join(["", *comparison(static, dcp), ""]))
-    counts = plot_first_plans(first_batch_lengths(), args.out / "plan_iteration1.png")
+    counts = plot_first_plans(model, args.out / "plan_iteration1.png")
     assert counts == {
         "dp_balanced": static.dcp[1].microbatches,
         "default_dynamic_cp": dcp.dcp[1].microbatches,
@@ -159,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     first, last = dcp.losses[min(dcp.losses)], dcp.losses[max(dcp.losses)]
     print(
         f"loss from iteration 1 to {max(dcp.losses)}: {first:.3f} -> {last:.3f} "
-        f"({(first - last) / first:.1%} lower; the mock tokens follow a learnable Markov chain)"
+        f"({(first - last) / first:.1%} lower; {DATA_NOTE[args.sft]})"
     )
     print(f"plan picture of iteration 1: {args.out / 'plan_iteration1.png'}; logs in {args.out}/")
     return 0 if agree else 1

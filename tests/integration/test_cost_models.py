@@ -236,21 +236,29 @@ def test_the_log_line_carries_both_step_times_and_the_launcher_reads_them():
     assert parse_log(line).dcp[7] == figures
 
 
-def test_the_quickstart_replans_with_the_runs_cost_model(pretrain_gpt):
-    """The quick-start re-plans iteration 1 as the DCP run planned it: ``DCPConfig.from_args`` of
-    its flags over its DP×CP domain (8 ranks / TP 2); the 8B default plans these otherwise."""
+@pytest.mark.parametrize("sft", [False, True], ids=["mock", "sft"])
+def test_the_quickstart_replans_with_the_runs_cost_model(pretrain_gpt, sft, tmp_path):
+    """The quick-start re-plans iteration 1 as the DCP run planned it: ``DCPConfig.from_args``
+    of its flags over its DP×CP domain (8 ranks / TP 2); the 8B default plans these otherwise. With
+    ``--sft`` the vocabulary (the output layer's cost) comes from the trained tokenizer, padded
+    as megatron pads it."""
     import random
 
     from megatron_dcp.scheduling import build_scheduler
     from megatron_dcp.tools.launcher import flag_list
     from megatron_dcp.tools.quickstart import MODEL, NPROC, TP, first_plans, run_cost_model
+    from megatron_dcp.tools.quickstart import sft_model
 
     rng = random.Random(0)
     lengths = [max(16, min(1024, int(rng.lognormvariate(5.3, 1.2)))) for _ in range(16)]
-    args = megatron_args(pretrain_gpt, *flag_list(MODEL))
+    model = sft_model(tmp_path) if sft else MODEL
+    args = megatron_args(pretrain_gpt, *flag_list(model))
+    # megatron pads the tokenizer's vocabulary (128 or 512) to a multiple of 128 × TP when it
+    # builds the tokenizer while validating the arguments, which megatron_args skips.
+    args.padded_vocab_size = 512 if sft else 256
     run = DCPConfig.from_args(args)
-    assert run_cost_model() == run.cost_model and run.cost_model.name == "model@cpu-gloo"
-    plans = first_plans(lengths)
+    assert run_cost_model(model) == run.cost_model and run.cost_model.name == "model@cpu-gloo"
+    plans = first_plans(model, lengths)
     assert plans["default_dynamic_cp"] == run.build_scheduler(NPROC // TP).schedule(lengths)
     default = build_scheduler(
         "default_dynamic_cp", dp_size=1, cp_size=4, max_seqlen_per_dp_cp_rank=256

@@ -4,7 +4,8 @@ Every dataset yields ONE variable-length sequence per index, as a dict of 1-D te
 
     tokens     int64   [L]   input tokens
     labels     int64   [L]   the next token of each position (tokens shifted left by one)
-    loss_mask  float32 [L]   1 where the label is real (all ones: every label is a real token)
+    loss_mask  float32 [L]   1 where the label is in the loss (all of them, but for
+                             conversations only the assistant's)
     length     int64   []    L
 
 Megatron's data loader (micro-batch size 1, default collate) turns that into ``[1, L]`` tensors
@@ -17,23 +18,29 @@ Sources (exactly one; see ``docs/datasets.md``):
   :func:`megatron_dcp.integration.data.lengths.parse_distribution` (the simulator's syntax).
 * ``--varlen-lengths-file PATH``: mock data, lengths cycled from a file (one length a line).
 * ``--data-path PREFIX``: real documents from a megatron indexed dataset (``.bin``/``.idx``).
+* ``--sft-data PATH[,PATH...]``: conversations rendered with the tokenizer's chat template.
 
-The sources live in ``mock`` (length samplers, :class:`VarlenMockDataset`) and ``indexed``
-(:class:`IndexedDocumentDataset`, ``--split`` parsing), the item in ``samples``; this module
-checks the source flags and builds the three splits.
+The sources live in ``mock`` (length samplers, :class:`VarlenMockDataset`), ``indexed``
+(:class:`IndexedDocumentDataset`, ``--split`` parsing) and ``sft`` (with ``conversations`` and
+``chat``), the item in ``samples``; this module holds the data flags, checks them and builds the
+three splits.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from megatron_dcp.integration.data.chat import ChatTokenizer
+from megatron_dcp.integration.data.conversations import (
+    LOSS_ON_PROMPT_FLAG,
+    SFT_DATA_FLAG,
+    SKIP_INVALID_FLAG,
+)
 from megatron_dcp.integration.data.indexed import (
     DATA_PATH_FLAG,
     DEFAULT_SPLIT,
@@ -51,10 +58,10 @@ from megatron_dcp.integration.data.mock import (
     lengths_from_file,
     parse_length_distribution,
 )
+from megatron_dcp.integration.data.samples import report_truncation
+from megatron_dcp.integration.data.sft import SFTOptions, build_sft_datasets
 
 DEFAULT_DISTRIBUTION = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"
-_LOG = logging.getLogger(__name__)
-_REPORTED: set = set()  # (source, --seq-length) pairs whose truncation this process logged
 SPLITS = ("train", "valid", "test")
 
 
@@ -70,6 +77,43 @@ class VarlenDataConfig:
     lengths_file: Optional[str] = None
     data_path: Optional[Union[str, Sequence[str]]] = None
     split: str = DEFAULT_SPLIT
+    sft_data: Optional[Union[str, Sequence[str]]] = None
+    loss_on_prompt: bool = False
+    skip_invalid: bool = False
+
+
+def add_data_args(group: Any) -> None:
+    """The data-source flags of the DCP entry points (megatron's own ``--data-path``,
+    ``--split``, ``--seq-length`` and tokenizer flags are read too)."""
+    group.add_argument(
+        DISTRIBUTION_FLAG,
+        default=None,
+        help="Mock variable-length data, e.g. 'lognormal:mean=1024,sigma=1.5,min=128,max=8192'.",
+    )
+    group.add_argument(
+        LENGTHS_FILE_FLAG,
+        default=None,
+        help="Mock data whose lengths are read from this file (one per line).",
+    )
+    group.add_argument(
+        SFT_DATA_FLAG,
+        default=None,
+        metavar="PATH[,PATH...]",
+        help='Conversations (JSONL or JSON of {"messages": [{"role", "content"}, ...]}), one '
+        "sample each, rendered with the tokenizer's chat template (HuggingFaceTokenizer or "
+        "SFTTokenizer); only the assistant's tokens are in the loss.",
+    )
+    group.add_argument(
+        LOSS_ON_PROMPT_FLAG,
+        action="store_true",
+        help=f"With {SFT_DATA_FLAG}: every token is in the loss, not only the assistant's.",
+    )
+    group.add_argument(
+        SKIP_INVALID_FLAG,
+        action="store_true",
+        help=f"With {SFT_DATA_FLAG}: skip invalid records (counted in the log) instead of "
+        "stopping at the first.",
+    )
 
 
 def _check_sources(config: VarlenDataConfig) -> None:
@@ -78,16 +122,24 @@ def _check_sources(config: VarlenDataConfig) -> None:
         DISTRIBUTION_FLAG: config.distribution,
         LENGTHS_FILE_FLAG: config.lengths_file,
         DATA_PATH_FLAG: config.data_path,
+        SFT_DATA_FLAG: config.sft_data,
     }
     named = [f"{flag}={value!r}" for flag, value in given.items() if value]
     if len(named) > 1:
         raise ValueError(
             f"{' and '.join(named)}: give at most one data source (mock distribution, lengths "
-            f"file or indexed dataset); remove the others."
+            f"file, indexed dataset or conversations); remove the others."
         )
     if config.seq_length < 1:
         raise ValueError(f"--seq-length={config.seq_length}: must be ≥ 1 (the longest sequence).")
-    if config.vocab_size < 2 and not config.data_path:
+    sft_switches = {
+        LOSS_ON_PROMPT_FLAG: config.loss_on_prompt,
+        SKIP_INVALID_FLAG: config.skip_invalid,
+    }
+    for flag, on in sft_switches.items():
+        if on and not config.sft_data:
+            raise ValueError(f"{flag} applies to conversations: add {SFT_DATA_FLAG} or remove it.")
+    if config.vocab_size < 2 and not (config.data_path or config.sft_data):
         raise ValueError(
             f"vocab size {config.vocab_size}: mock data needs at least 2 tokens; set "
             f"--vocab-size (or the tokenizer) to a larger vocabulary."
@@ -158,12 +210,16 @@ def build_varlen_datasets(
     lengths_file: Optional[str] = None,
     data_path: Optional[Union[str, Sequence[str]]] = None,
     split: Optional[str] = None,
+    sft_data: Optional[Union[str, Sequence[str]]] = None,
+    chat: Optional[ChatTokenizer] = None,
+    loss_on_prompt: bool = False,
+    skip_invalid: bool = False,
 ) -> Tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
     """(train, valid, test) datasets from at most one source; None for a split of 0 samples.
 
     ``num_samples`` holds the train, valid and test sample counts. With no source given: mock data
     with lengths from :data:`DEFAULT_DISTRIBUTION`. ``split`` (default :data:`DEFAULT_SPLIT`)
-    only applies to ``data_path``.
+    applies to ``data_path`` and ``sft_data``; ``sft_data`` needs ``chat``, the tokenizer.
     """
     counts = tuple(int(count) for count in num_samples) + (0, 0, 0)
     config = VarlenDataConfig(
@@ -175,8 +231,14 @@ def build_varlen_datasets(
         lengths_file,
         data_path,
         split or DEFAULT_SPLIT,
+        sft_data,
+        loss_on_prompt,
+        skip_invalid,
     )
     _check_sources(config)
+    if config.sft_data:
+        options = SFTOptions(seq_length, loss_on_prompt, skip_invalid)
+        return build_sft_datasets(sft_data, chat, options, seed, config.num_samples, config.split)
     if config.data_path:
         return _indexed_datasets(config)
     if config.lengths_file:
@@ -186,21 +248,3 @@ def build_varlen_datasets(
         return _mock_datasets(config, lengths)
     spec = config.distribution or DEFAULT_DISTRIBUTION
     return _mock_datasets(config, parse_length_distribution(spec))
-
-
-def report_truncation(source: str, lengths: np.ndarray, seq_length: int) -> None:
-    """Log how many of ``source``'s sequence ``lengths`` exceed ``--seq-length`` and are
-    truncated to it, and by how much: once per source and length (on rank 0 when distributed),
-    and only when some sequence is longer."""
-    over = lengths[lengths > seq_length] - seq_length
-    if over.size == 0:
-        return
-    message = (
-        f"{source}: {over.size:,} of {lengths.size:,} sequences are longer than --seq-length "
-        f"{seq_length} and are truncated to it ({int(over.sum()):,} tokens dropped, longest "
-        f"{seq_length + int(over.max()):,})"
-    )
-    first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    if (source, seq_length) not in _REPORTED and first_rank:
-        _LOG.warning(message)
-    _REPORTED.add((source, seq_length))

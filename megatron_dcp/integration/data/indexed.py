@@ -3,7 +3,6 @@ one per sample, and the ``--split`` weights that divide the documents into train
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -12,21 +11,14 @@ from torch.utils.data import Dataset
 
 from megatron_dcp.integration.data.samples import (
     Sample,
-    check_index,
     make_sample,
     megatron_split,
-    stable_seed,
+    pass_position,
 )
 
 DATA_PATH_FLAG = "--data-path"
 SPLIT_FLAG = "--split"
 DEFAULT_SPLIT = "969,30,1"
-
-
-@functools.lru_cache(maxsize=4)
-def _permutation(size: int, seed: int, epoch: int) -> np.ndarray:
-    """The document order of one pass (epoch) over ``size`` documents."""
-    return np.random.default_rng(stable_seed("varlen-documents", seed, epoch)).permutation(size)
 
 
 def open_indexed(path_prefix: str) -> Any:
@@ -83,9 +75,7 @@ class IndexedDocumentDataset(Dataset):
 
     def document(self, index: int) -> int:
         """The index (in the ``.idx``) of the document behind sample ``index``."""
-        epoch, position = divmod(check_index(index, self.num_samples), self.documents.size)
-        if self.seed is not None:
-            position = int(_permutation(self.documents.size, self.seed, epoch)[position])
+        position = pass_position(index, self.num_samples, self.documents.size, self.seed)
         return int(self.documents[position])
 
     def sequence_length(self, index: int) -> int:

@@ -1,14 +1,21 @@
 """The item every variable-length dataset yields (:data:`Sample`, built by :func:`make_sample`)
-and what the mock and indexed datasets share: stable seeds, index checks, megatron's ``Split``."""
+and what the datasets share: stable seeds, index checks, the seeded order of passes over
+documents or conversations, megatron's ``Split``."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 from typing import Any, Dict
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 Sample = Dict[str, torch.Tensor]
+_LOG = logging.getLogger(__name__)
+_REPORTED: set = set()  # (source, --seq-length) pairs whose truncation this process logged
 
 
 def stable_seed(*parts: object) -> int:
@@ -36,6 +43,21 @@ def check_index(index: int, size: int) -> int:
     return int(index)
 
 
+@functools.lru_cache(maxsize=4)
+def _permutation(size: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of one pass (epoch) over ``size`` documents or conversations."""
+    return np.random.default_rng(stable_seed("varlen-documents", seed, epoch)).permutation(size)
+
+
+def pass_position(index: int, num_samples: int, size: int, seed: Any) -> int:
+    """The position in ``[0, size)`` that sample ``index`` reads: passes repeat over the ``size``
+    items in a fresh seeded permutation each (in order when ``seed`` is None)."""
+    epoch, position = divmod(check_index(index, num_samples), size)
+    if seed is None:
+        return position
+    return int(_permutation(size, seed, epoch)[position])
+
+
 def make_sample(sequence: torch.Tensor) -> Sample:
     """The item of a sequence of L+1 tokens: inputs, next-token labels, mask and length."""
     tokens, labels = sequence[:-1].clone(), sequence[1:].clone()
@@ -46,3 +68,25 @@ def make_sample(sequence: torch.Tensor) -> Sample:
         "loss_mask": torch.ones(length, dtype=torch.float32),
         "length": torch.tensor(length, dtype=torch.int64),
     }
+
+
+def report_truncation(source: str, lengths: np.ndarray, seq_length: int) -> None:
+    """Log how many of ``source``'s sequence ``lengths`` exceed ``--seq-length`` and are
+    truncated to it, and by how much: once per source and length (on rank 0 when distributed),
+    and only when some sequence is longer."""
+    over = lengths[lengths > seq_length] - seq_length
+    if over.size == 0:
+        return
+    message = (
+        f"{source}: {over.size:,} of {lengths.size:,} sequences are longer than --seq-length "
+        f"{seq_length} and are truncated to it ({int(over.sum()):,} tokens dropped, longest "
+        f"{seq_length + int(over.max()):,})"
+    )
+    if (source, seq_length) not in _REPORTED and first_rank():
+        _LOG.warning(message)
+    _REPORTED.add((source, seq_length))
+
+
+def first_rank() -> bool:
+    """This process is rank 0, or not distributed (it logs for everyone)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
