@@ -8,6 +8,7 @@ from functools import partial
 from typing import Optional
 
 import pytest
+import torch
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.testing import run_distributed
@@ -155,3 +156,37 @@ def test_non_power_of_two_domain():
     for result in results:
         assert_step_matches(result, expected)
     assert any(size > 2 for size in results[0].cp_sizes)
+
+
+def sft_masked(samples):
+    """The samples with SFT-like loss masks: a masked prompt, then answer spans separated by a
+    masked user turn; one sample wholly masked (a conversation truncated before its answer) and
+    one with only its last label in the loss."""
+    masked = []
+    for index, sample in enumerate(samples):
+        length = sample["tokens"].numel()
+        mask = torch.zeros(length)
+        prompt, turn = length // 3, max(1, length // 5)
+        mask[prompt : prompt + turn] = 1
+        mask[prompt + 2 * turn :] = 1
+        if index == 1:
+            mask[:] = 0
+        if index == 4:
+            mask[:] = 0
+            mask[-1] = 1
+        masked.append({**sample, "loss_mask": mask})
+    return masked
+
+
+@pytest.mark.parametrize(
+    "layout", [ParallelLayout(cp=2, world=4), ParallelLayout(pp=2, cp=2, world=8)], ids=str
+)
+def test_sft_masks_divide_by_the_assistant_tokens(layout, samples):
+    """Only the answer tokens carry loss: the summed loss, the token count it is divided by (the
+    global count of assistant tokens) and every gradient equal the single-process run with the
+    same masks."""
+    masked = sft_masked(samples)
+    expected = single_process_reference(masked, layout.options)
+    assert expected.num_tokens == sum(int(s["loss_mask"].sum()) for s in masked)
+    for result in run_step(layout, masked, "default_dynamic_cp", budget_for(layout)):
+        assert_step_matches(result, expected)
