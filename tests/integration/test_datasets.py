@@ -245,7 +245,7 @@ def test_source_errors_name_the_flags(tmp_path: Path):
         build_varlen_datasets(**{**common, "num_samples": (1, 0, 0)}, data_path=short)
 
 
-TRUNCATION_LOGGER = "megatron_dcp.integration.data.datasets"
+TRUNCATION_LOGGER = "megatron_dcp.integration.data.samples"
 
 
 def test_truncated_indexed_documents_are_logged_once(tmp_path: Path, caplog):

@@ -288,3 +288,25 @@ def test_the_generated_corpus_is_long_tailed(chat, corpus):
     train, _, _ = datasets(chat, str(corpus["corpus"]), counts=(1, 0, 0))
     tokens = train.table.columns[:, 3]
     assert np.percentile(tokens, 99) > 4 * np.median(tokens) and tokens.min() < 64
+
+
+@pytest.mark.parametrize("prompt_format", ["nemotron-h-aligned", "nemotron-nano-v2"])
+def test_sft_tokenizer_masks_equal_megatrons_own(corpus, prompt_format):
+    """megatron's SFTTokenizer masks the prompt itself (``tokenize_conversation``'s targets):
+    the tokens and the assistant tokens found here are the same, assistant prefix included."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    from megatron_dcp.integration.data.chat import chat_tokenizer
+
+    tokenizer = MegatronTokenizer.from_pretrained(
+        tokenizer_path=str(corpus["tokenizer"]),
+        metadata_path={"library": "sft"},
+        prompt_format=prompt_format,
+    )
+    chat = chat_tokenizer(tokenizer, "SFTTokenizer")
+    ids, assistant = chat.tokenize(CONVERSATION)
+    tokens, targets = tokenizer.tokenize_conversation(
+        CONVERSATION, return_target=True, add_generation_prompt=False
+    )
+    assert ids.tolist() == tokens.tolist()
+    assert assistant.tolist() == (targets != -100).tolist() and assistant.any()

@@ -39,6 +39,7 @@ from megatron_dcp.integration.data.indexed import SPLIT_FLAG, split_document_ran
 from megatron_dcp.integration.data.samples import (
     Sample,
     first_rank,
+    make_sample,
     megatron_split,
     pass_position,
     report_truncation,
@@ -60,8 +61,7 @@ class SFTOptions:
 class ConversationTable:
     """Every conversation of the files, in file order: its file, record and place in the record,
     its token count before truncation, how many of its labels are in the loss after truncation,
-    and the invalid records skipped (``(file, record,
-    reason)``, with ``--sft-skip-invalid``)."""
+    and the invalid records skipped (``(file, record, reason)``, with ``--sft-skip-invalid``)."""
 
     files: List[ConversationFile]
     columns: np.ndarray  # [n, 5] int64: file, record, part, tokens, loss labels kept
@@ -85,15 +85,11 @@ def encode(chat: ChatTokenizer, conversation: Conversation, options: SFTOptions)
     labels, and a loss mask on the labels the assistant wrote (every label with
     ``loss_on_prompt``). The last label is the conversation's own last token."""
     ids, assistant = chat.tokenize(conversation)
-    ids, assistant = ids[: options.seq_length + 1], assistant[: options.seq_length + 1]
-    mask = np.ones(ids.size - 1, np.float32) if options.loss_on_prompt else assistant[1:]
-    sequence = torch.from_numpy(ids)
-    return {
-        "tokens": sequence[:-1].clone(),
-        "labels": sequence[1:].clone(),
-        "loss_mask": torch.as_tensor(mask, dtype=torch.float32),
-        "length": torch.tensor(ids.size - 1, dtype=torch.int64),
-    }
+    kept = options.seq_length + 1
+    sample = make_sample(torch.from_numpy(ids[:kept]))
+    if not options.loss_on_prompt:
+        sample["loss_mask"] = torch.as_tensor(assistant[1:kept], dtype=torch.float32)
+    return sample
 
 
 class SFTConversationDataset(Dataset):
