@@ -89,7 +89,7 @@ def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConf
             "turned it off): sums of per-token losses divided by the global token count are the "
             "only loss that stays right when ranks run different CP groups."
         )
-    if args.sft_data:
+    if getattr(args, "sft_data", None):
         check_tokenizer_type(args.tokenizer_type)
     config = DCPConfig.from_args(args)
     check_domain(args, config)

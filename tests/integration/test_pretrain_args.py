@@ -75,6 +75,7 @@ def test_the_parser_reads_argv_and_turns_per_token_loss_on(pretrain_gpt, monkeyp
         (dict(sequence_packing_scheduler="dp_balanced", seq_length=1024), "--seq-length=1024"),
         (dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
         (dict(min_dynamic_context_parallel_size=16), "--min-dynamic-context-parallel-size=16"),
+        (dict(sft_data="chats.jsonl", tokenizer_type="NullTokenizer"), "--tokenizer-type=Null"),
     ],
 )
 def test_bad_flags_are_rejected_before_training(pretrain_gpt, overrides, flag):
