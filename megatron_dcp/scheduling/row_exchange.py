@@ -12,9 +12,14 @@ its token budget and minimum CP size. Two exchanges are tried, best gain first:
 - a **swap** of that sample with a lighter one of another micro-batch's group, which also
   relieves a top group of a single sample, or where no group has room for a move.
 
+When the top group ties with another group of its micro-batch, no single exchange lowers the
+peak; then the exchange that lowers the top group most while no peak grows is made (a *tie
+break*), and the next search can lower the other.
+
 The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
 rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by
-at least ``MIN_GAIN`` of a peak, so the search ends. A pass visits the micro-batches
+at least ``MIN_GAIN`` of a peak or, breaking a tie, keeps every peak and lowers a top group by
+that much; the passes are bounded. A pass visits the micro-batches
 most-loaded first, each making at most ``EXCHANGE_STEPS`` exchanges; at most
 ``EXCHANGE_PASSES`` passes, on plans of at most ``EXCHANGE_ROWS`` micro-batches. A receiving
 micro-batch offers, per CP size, its least-loaded groups (``SWAP_GROUPS`` of them for swaps):
@@ -102,34 +107,45 @@ def best_exchange(ctx: Context, views: Sequence[RowView], index: int) -> Optiona
     """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the
     most (by at least ``MIN_GAIN`` of the peak); None when none does. The top's peak falls by at
     most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
-    first until the relief cannot beat the best gain found."""
+    first until the relief cannot beat the best gain found. When the top group ties with another
+    (no relief), the exchange that lowers it most without raising any peak is made instead: the
+    next search can then lower the other."""
     view = views[index]
-    top = view.top
-    best: Optional[Exchange] = None
     floor = view.peak * MIN_GAIN
+    tied = view.cap <= floor
+    best: Optional[Exchange] = None
+    for item, out, leaves in top_samples(ctx, view):
+        if not tied and min(view.cap, out) <= floor:
+            break
+        for other, receiver in enumerate(views):
+            if other == index:
+                continue
+            for relief, growth, group, back in exchanges(ctx, view, item, out, receiver, leaves):
+                gain = relief if tied and growth <= 0.0 else min(view.cap, relief) - growth
+                if gain > floor:
+                    best, floor = (gain, item, other, group, back), gain
+    return best
+
+
+def top_samples(ctx: Context, view: RowView) -> Iterator[Tuple[Item, float, bool]]:
+    """(sample, its per-rank cost on the top group, whether it may leave without a sample in
+    exchange) for the samples of ``view``'s top group examined, longest first."""
+    top = view.top
     movable = len(top.items) > 1
     for item in spread(view.partners(top), EXCHANGE_ITEMS):
-        out = ctx.load(item.seqlen, top.size)
-        if min(view.cap, out) <= floor:
-            break
-        leaves = movable and top.tokens > item.seqlen
-        for other, receiver in enumerate(views):
-            if other != index:
-                for gain, group, back in exchanges(ctx, view, item, out, receiver, leaves):
-                    if gain > floor:
-                        best, floor = (gain, item, other, group, back), gain
-    return best
+        yield item, ctx.load(item.seqlen, top.size), movable and top.tokens > item.seqlen
 
 
 def exchanges(
     ctx: Context, view: RowView, item: Item, out: float, receiver: RowView, leaves: bool
-) -> Iterator[Tuple[float, GroupDraft, Optional[Item]]]:
+) -> Iterator[Tuple[float, float, GroupDraft, Optional[Item]]]:
     """The exchanges of ``item`` (per-rank cost ``out`` on ``view``'s top group) with
-    ``receiver``, as (gain, group, sample sent back or None): per CP size that can take
-    it, a move to the least-loaded group with room (when ``leaves``: its group keeps a non-empty
-    sample) and swaps with the ``SWAP_PARTNERS`` longest shorter samples of the
-    ``SWAP_GROUPS`` least-loaded groups. A receiver's peak counts only when it grows (a swap
-    that also lowers it is found from the receiver's side)."""
+    ``receiver``, as (how much the top group's load falls, how much the receiver's peak grows,
+    group, sample sent back or None): per CP size that can take it, a move to the least-loaded
+    group with room (when ``leaves``: its group keeps a non-empty sample) and swaps with the
+    ``SWAP_PARTNERS`` longest shorter samples of the ``SWAP_GROUPS`` least-loaded groups. A
+    receiver's peak counts only when it grows (a swap that also lowers it is found from the
+    receiver's side)."""
     top, budget = view.top, ctx.domain.budget
     for size, groups in receiver.by_size.items():
         if size < item.min_cp:
@@ -138,13 +154,12 @@ def exchanges(
         if leaves:
             group = next((g for g in groups if size * budget - g.tokens >= item.seqlen), None)
             if group is not None:
-                growth = max(0.0, group.load + into - receiver.peak)
-                yield min(view.cap, out) - growth, group, None
+                yield out, max(0.0, group.load + into - receiver.peak), group, None
         for group in groups[:SWAP_GROUPS]:
             for back in swap_partners(ctx, top, item, group, receiver.partners(group)):
-                relief = min(view.cap, out - ctx.load(back.seqlen, top.size))
+                relief = out - ctx.load(back.seqlen, top.size)
                 growth = max(0.0, group.load + into - ctx.load(back.seqlen, size) - receiver.peak)
-                yield relief - growth, group, back
+                yield relief, growth, group, back
 
 
 def swap_partners(
