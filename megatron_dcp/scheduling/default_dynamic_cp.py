@@ -107,7 +107,7 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
             best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         if search:
             polish_rows(ctx, best)
-            exchange_between_rows(ctx, best)
+            exchange_between_rows(ctx, best, ties=True)
         return [freeze_microbatch(row) for row in best]
 
 

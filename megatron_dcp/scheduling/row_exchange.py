@@ -13,7 +13,8 @@ its token budget and minimum CP size. Two exchanges are tried, best gain first:
   relieves a top group of a single sample, or where no group has room for a move.
 
 When the top group ties with another group of its micro-batch, no single exchange lowers the
-peak; then the exchange that lowers the top group most while no peak grows is made (a *tie
+peak; with ``ties`` (the last search, on the chosen plan) the exchange of one of its
+``TIE_ITEMS`` longest samples that lowers it most while no peak grows is made then (a *tie
 break*), and the next search can lower the other.
 
 The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
@@ -46,6 +47,8 @@ MIN_GAIN = 1e-4
 # Samples of a top group examined; for swaps, receiving groups per CP size and partner samples
 # per receiving group.
 EXCHANGE_ITEMS = 6
+# Samples of a tied top group examined (longest first) to break the tie.
+TIE_ITEMS = 2
 SWAP_GROUPS = 2
 SWAP_PARTNERS = 2
 
@@ -80,7 +83,7 @@ class RowView:
         return found
 
 
-def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
+def exchange_between_rows(ctx: Context, rows: List[Row], ties: bool = False) -> None:
     """Passes over the micro-batches, most-loaded first, each applying its best exchange while
     one shortens the critical path (at most ``EXCHANGE_STEPS`` per micro-batch and pass, at
     most ``EXCHANGE_PASSES`` passes, ending after a pass without one); plans of more than
@@ -89,34 +92,36 @@ def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
         return
     views = [RowView(row) for row in rows]
     for _ in range(EXCHANGE_PASSES):
-        changed = False
+        before = sum(view.peak for view in views)
         for index in sorted(range(len(rows)), key=lambda i: (-views[i].peak, i)):
             for _ in range(EXCHANGE_STEPS):
-                found = best_exchange(ctx, views, index)
+                found = best_exchange(ctx, views, index, ties)
                 if found is None:
                     break
                 apply(ctx, views[index].top, found)
                 other = found[2]
                 views[index], views[other] = RowView(rows[index]), RowView(rows[other])
-                changed = True
-        if not changed:
-            return
+        if sum(view.peak for view in views) >= before:
+            return  # a pass that only broke ties ends the search
 
 
-def best_exchange(ctx: Context, views: Sequence[RowView], index: int) -> Optional[Exchange]:
+def best_exchange(
+    ctx: Context, views: Sequence[RowView], index: int, ties: bool = False
+) -> Optional[Exchange]:
     """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the
     most (by at least ``MIN_GAIN`` of the peak); None when none does. The top's peak falls by at
     most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
-    first until the relief cannot beat the best gain found. When the top group ties with another
-    (no relief), the exchange that lowers it most without raising any peak is made instead: the
-    next search can then lower the other."""
+    first until the relief cannot beat the best gain found. With ``ties``, when the top group
+    ties with another (no relief), the exchange of its longest samples (``TIE_ITEMS``) that
+    lowers it most without raising any peak is made instead: the next search can then lower the
+    other."""
     view = views[index]
     floor = view.peak * MIN_GAIN
-    tied = view.cap <= floor
+    tied = ties and view.cap <= floor
     best: Optional[Exchange] = None
-    for item, out, leaves in top_samples(ctx, view):
-        if not tied and min(view.cap, out) <= floor:
-            break
+    for rank, (item, out, leaves) in enumerate(top_samples(ctx, view)):
+        if (out if tied else min(view.cap, out)) <= floor or (tied and rank == TIE_ITEMS):
+            break  # shorter samples relieve the top group even less
         for other, receiver in enumerate(views):
             if other == index:
                 continue
@@ -146,20 +151,22 @@ def exchanges(
     ``SWAP_PARTNERS`` longest shorter samples of the ``SWAP_GROUPS`` least-loaded groups. A
     receiver's peak counts only when it grows (a swap that also lowers it is found from the
     receiver's side)."""
-    top, budget = view.top, ctx.domain.budget
+    top, budget, peak = view.top, ctx.domain.budget, receiver.peak
+    top_costs = ctx.per_size[top.size]
     for size, groups in receiver.by_size.items():
         if size < item.min_cp:
             continue
-        into = ctx.load(item.seqlen, size)
+        costs = ctx.per_size[size]
+        into = costs[item.seqlen]
         if leaves:
             group = next((g for g in groups if size * budget - g.tokens >= item.seqlen), None)
             if group is not None:
-                yield out, max(0.0, group.load + into - receiver.peak), group, None
+                yield out, max(0.0, group.load + into - peak), group, None
         for group in groups[:SWAP_GROUPS]:
             for back in swap_partners(ctx, top, item, group, receiver.partners(group)):
-                relief = out - ctx.load(back.seqlen, top.size)
-                growth = max(0.0, group.load + into - ctx.load(back.seqlen, size) - receiver.peak)
-                yield relief, growth, group, back
+                length = back.seqlen
+                growth = max(0.0, group.load + into - costs[length] - peak)
+                yield out - top_costs[length], growth, group, back
 
 
 def swap_partners(
@@ -168,7 +175,9 @@ def swap_partners(
     """The (at most ``SWAP_PARTNERS``) longest samples of ``partners`` (``group``'s, longest
     first) shorter than ``item`` that may trade places with it: both within the token budget
     and their minimum CP sizes, ``top`` keeping a non-empty sample."""
-    room, top_room = ctx.room(group) - item.seqlen, ctx.room(top) + item.seqlen
+    budget = ctx.domain.budget
+    room = group.size * budget - group.tokens - item.seqlen
+    top_room = top.size * budget - top.tokens + item.seqlen
     found = 0
     for back in partners:
         if back.seqlen >= item.seqlen:

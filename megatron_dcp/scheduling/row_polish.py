@@ -31,9 +31,9 @@ from megatron_dcp.scheduling.row_refinement import layout, spread
 # Moves per micro-batch; samples of the top group examined; lightest groups examined as
 # partners (shifts and merges); samples of a partner examined for a trade.
 POLISH_STEPS = 32
-POLISH_ITEMS = 12
+POLISH_ITEMS = 8
 POLISH_PARTNERS = 8
-TRADE_ITEMS = 8
+TRADE_ITEMS = 4
 # Merge partners tried, and shifts relieving a merged group.
 MERGE_TRIALS = 3
 SHED_STEPS = 8
@@ -46,7 +46,7 @@ def polish_row(ctx: Context, row: Row) -> bool:
     changed = resized = False
     for _ in range(POLISH_STEPS):
         top = max(row, key=lambda g: (g.load, -g.block.start))
-        if shift(ctx, row, top):
+        if shift(ctx, row, top) or redeal(ctx, row, top):
             changed = True
         elif halving and (merge(ctx, row, top) or split(ctx, row, top)):
             changed = resized = True
@@ -79,7 +79,9 @@ def shift(ctx: Context, row: Row, top: GroupDraft) -> bool:
         if top.load - out >= limit:
             break
         for group in partners:
-            if group.size < item.min_cp or group.load >= limit:
+            if group.load >= limit:
+                break  # heavier partners end above the limit too
+            if group.size < item.min_cp:
                 continue
             for peak, back in shift_options(ctx, top, item, out, group, limit):
                 if peak < limit:
@@ -144,18 +146,24 @@ def merge(ctx: Context, row: Row, top: GroupDraft) -> bool:
 
 
 def merged_row(ctx: Context, row: Row, top: GroupDraft, group: GroupDraft) -> Optional[Row]:
-    """A copy of ``row`` with ``top`` and ``group`` merged and the merged group relieved by
-    shifts; None unless every load ends below ``top``'s."""
+    """``row`` with ``top`` and ``group`` merged and the merged group relieved by shifts to the
+    lightest groups (copies: ``row`` is left as it is); None unless every load ends below
+    ``top``'s."""
     size, limit = top.size * 2, top.load * (1 - EPS)
     merged = ctx.group(Block(min(top.block.start, group.block.start), size))
     for item in top.items + group.items:
         merged.push(item, ctx.load(item.seqlen, size))
-    trial = [copy_group(g) for g in row if g is not top and g is not group] + [merged]
+    rest = lightest(row, top, len(row))
+    rest.remove(group)
+    if rest and rest[-1].load >= limit:
+        return None  # another group ties with ``top``
+    light = [copy_group(g) for g in rest[:POLISH_PARTNERS]]
+    trial = light + [merged]
     for _ in range(SHED_STEPS):
         if merged.load < limit or not shift(ctx, trial, merged):
             break
     if max(g.load for g in trial) < limit:
-        return trial
+        return trial + rest[POLISH_PARTNERS:]
     return None
 
 
@@ -186,6 +194,44 @@ def split(ctx: Context, row: Row, top: GroupDraft) -> bool:
     row.remove(top)
     row.extend(halves)
     return True
+
+
+def redeal(ctx: Context, row: Row, top: GroupDraft) -> bool:
+    """Deal the samples of ``top`` and of a light group again between their two blocks,
+    heaviest first to the group it leaves least loaded, when both end below ``top``'s load; the
+    best such pair is kept (several samples change places at once, which no shift does)."""
+    best: Optional[Tuple[float, GroupDraft, Row]] = None
+    limit = top.load * (1 - EPS)
+    for group in lightest(row, top, POLISH_PARTNERS):
+        if len(top.items) + len(group.items) < 3:
+            continue
+        pair = dealt(ctx, top, group)
+        if pair is not None and max(g.load for g in pair) < limit:
+            best, limit = (max(g.load for g in pair), group, pair), max(g.load for g in pair)
+    if best is None:
+        return False
+    _, group, pair = best
+    row.remove(top)
+    row.remove(group)
+    row.extend(pair)
+    return True
+
+
+def dealt(ctx: Context, top: GroupDraft, group: GroupDraft) -> Optional[Row]:
+    """New groups over the blocks of ``top`` and ``group`` holding their samples, each sample
+    (heaviest first) where the resulting load is least; None when a sample fits neither or a
+    group would be left without a non-empty sample."""
+    pair = [ctx.group(top.block), ctx.group(group.block)]
+    pool = sorted(top.items + group.items, key=lambda it: (-it.seqlen, it.sample_id))
+    for item in pool:
+        fits = [g for g in pair if g.size >= item.min_cp and ctx.room(g) >= item.seqlen]
+        if not fits:
+            return None
+        target = min(fits, key=lambda g: (g.load + ctx.load(item.seqlen, g.size), g.block.start))
+        target.push(item, ctx.load(item.seqlen, target.size))
+    if any(g.tokens <= 0 for g in pair):
+        return None
+    return pair
 
 
 def polish_rows(ctx: Context, rows: Sequence[Row]) -> None:

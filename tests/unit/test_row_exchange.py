@@ -70,6 +70,8 @@ def test_a_top_group_tied_with_another_sheds_first_without_gain():
     ctx = Context(Domain(2, 1, 100), LINEAR)
     rows = rank_rows(ctx, [[[50, 10], [50, 10]], [[40], [10]]])
     exchange_between_rows(ctx, rows)
+    assert peaks(rows) == [60, 40]  # ties are broken only when asked
+    exchange_between_rows(ctx, rows, ties=True)
     assert peaks(rows) == [50, 40]
 
 
