@@ -38,9 +38,10 @@ beyond the fewest. Steps (each a named function; steps 1 and 3 live in ``microba
                            ``SEARCH_SAMPLES`` samples, every candidate plan of at most
                            ``EXCHANGE_ROWS`` micro-batches).
 8. ``polish_rows``       – on the chosen plan (same batches): shifts of samples off each
-                           micro-batch's top group, merges of two groups into one of twice the
-                           size and splits of a group into halves while that lowers the top
-                           (``row_polish``), then step 7 again.
+                           micro-batch's top group, redeals of its samples with a light group's,
+                           merges of two groups into one of twice the size and splits of a group
+                           into halves while that lowers the top (``row_polish``), then step 7
+                           again, breaking ties.
 
 Batches of at most ``SEARCH_SAMPLES`` samples, and plans VPP alignment would split (either with
 at most ``SEARCH_ROWS`` micro-batches), also try step 2 with every micro-batch formed from the

@@ -1,12 +1,15 @@
 """Step 8 of ``default_dynamic_cp``: ``polish_row``, a local search on one micro-batch.
 
 A micro-batch costs its most-loaded group. The earlier steps place each sample once and move
-only a few; this pass works on the finished micro-batch, always on its top group, with three
+only a few; this pass works on the finished micro-batch, always on its top group, with four
 moves, each accepted only when the loads it touches all end below the top's load (so the sorted
 load vector falls and the search ends):
 
 - a **shift**: a sample of the top group moves to, or trades places with a shorter sample of,
   one of the lightest groups;
+- a **redeal**: the samples of the top group and of one of the lightest groups are dealt again
+  between their two blocks, heaviest first to where the load ends least (several samples change
+  places at once, which no shift does);
 - a **merge** (power-of-two domains): the top group and another group of its size become one
   group of twice the size, when the merged load (ring steps and K/V exchange of the larger
   group included), after a few shifts of its samples to light groups, is below the top's: two
@@ -40,7 +43,7 @@ SHED_STEPS = 8
 
 
 def polish_row(ctx: Context, row: Row) -> bool:
-    """Shift, merge and split around the top group of ``row`` while one lowers it (see the
+    """Shift, redeal, merge and split around the top group of ``row`` while one lowers it (see the
     module docstring); returns True when the row changed (laid out again when sizes did)."""
     halving = is_power_of_two(ctx.domain.size)
     changed = resized = False
