@@ -4,7 +4,8 @@ The objective is the critical path Σ_micro-batch (max_rank cost + the fixed mic
 Micro-batches may differ in load; what costs time is imbalance *inside* a micro-batch, CP
 overhead (each group's ring steps, carried from its first sample, included) and micro-batches
 beyond the fewest. Steps (each a named function; steps 1 and 3 live in ``microbatch_forming``,
-4 and 5 in ``row_refinement``, 6 in ``vpp_alignment``, 7 in ``row_exchange``):
+4 and 5 in ``row_refinement``, 6 in ``vpp_alignment``, 7 in ``row_exchange``, 8 in
+``row_polish``):
 
 1. ``heaviest_first``    – order the samples by least total work (cost at their minimum CP size).
 2. ``plan_rows``         – while ``is_heavy`` (a sample could match the mean level only on a CP
@@ -36,6 +37,11 @@ beyond the fewest. Steps (each a named function; steps 1 and 3 live in ``microba
                            shortens the critical path (``row_exchange``; batches of at most
                            ``SEARCH_SAMPLES`` samples, every candidate plan of at most
                            ``EXCHANGE_ROWS`` micro-batches).
+8. ``polish_rows``       – on the chosen plan (same batches): shifts of samples off each
+                           micro-batch's top group, redeals of its samples with a light group's,
+                           merges of two groups into one of twice the size and splits of a group
+                           into halves while that lowers the top (``row_polish``), then step 7
+                           again, breaking ties.
 
 Batches of at most ``SEARCH_SAMPLES`` samples, and plans VPP alignment would split (either with
 at most ``SEARCH_ROWS`` micro-batches), also try step 2 with every micro-batch formed from the
@@ -62,6 +68,7 @@ from megatron_dcp.scheduling.plan import MicroBatch
 from megatron_dcp.scheduling.registry import Scheduler
 from megatron_dcp.scheduling.row_dissolving import dissolve_light_rows
 from megatron_dcp.scheduling.row_exchange import exchange_between_rows
+from megatron_dcp.scheduling.row_polish import polish_rows
 from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
 from megatron_dcp.scheduling.vpp_alignment import align_to_vpp
 
@@ -91,13 +98,17 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
             # Over nodes, the plans made blind to them are candidates too, priced as they are.
             blind = Context(self.domain, self.cost_model.with_nodes(None))
             plans += [repriced(ctx, rows) for rows in candidate_plans(blind, items, vpp)]
-        if len(items) <= SEARCH_SAMPLES:
+        search = len(items) <= SEARCH_SAMPLES
+        if search:
             for rows in plans:
                 exchange_between_rows(ctx, rows)
         best = plans[0]
         if len(plans) > 1:
             bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
             best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
+        if search:
+            polish_rows(ctx, best)
+            exchange_between_rows(ctx, best, ties=True)
         return [freeze_microbatch(row) for row in best]
 
 

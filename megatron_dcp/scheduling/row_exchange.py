@@ -12,9 +12,15 @@ its token budget and minimum CP size. Two exchanges are tried, best gain first:
 - a **swap** of that sample with a lighter one of another micro-batch's group, which also
   relieves a top group of a single sample, or where no group has room for a move.
 
+When the top group ties with another group of its micro-batch, no single exchange lowers the
+peak; with ``ties`` (the last search, on the chosen plan) the exchange of one of its
+``TIE_ITEMS`` longest samples that lowers it most while no peak grows is made then (a *tie
+break*), and the next search can lower the other.
+
 The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
 rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by
-at least ``MIN_GAIN`` of a peak, so the search ends. A pass visits the micro-batches
+at least ``MIN_GAIN`` of a peak or, breaking a tie, keeps every peak and lowers a top group by
+that much; the passes are bounded. A pass visits the micro-batches
 most-loaded first, each making at most ``EXCHANGE_STEPS`` exchanges; at most
 ``EXCHANGE_PASSES`` passes, on plans of at most ``EXCHANGE_ROWS`` micro-batches. A receiving
 micro-batch offers, per CP size, its least-loaded groups (``SWAP_GROUPS`` of them for swaps):
@@ -41,6 +47,8 @@ MIN_GAIN = 1e-4
 # Samples of a top group examined; for swaps, receiving groups per CP size and partner samples
 # per receiving group.
 EXCHANGE_ITEMS = 6
+# Samples of a tied top group examined (longest first) to break the tie.
+TIE_ITEMS = 2
 SWAP_GROUPS = 2
 SWAP_PARTNERS = 2
 
@@ -75,7 +83,7 @@ class RowView:
         return found
 
 
-def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
+def exchange_between_rows(ctx: Context, rows: List[Row], ties: bool = False) -> None:
     """Passes over the micro-batches, most-loaded first, each applying its best exchange while
     one shortens the critical path (at most ``EXCHANGE_STEPS`` per micro-batch and pass, at
     most ``EXCHANGE_PASSES`` passes, ending after a pass without one); plans of more than
@@ -84,67 +92,81 @@ def exchange_between_rows(ctx: Context, rows: List[Row]) -> None:
         return
     views = [RowView(row) for row in rows]
     for _ in range(EXCHANGE_PASSES):
-        changed = False
+        before = sum(view.peak for view in views)
         for index in sorted(range(len(rows)), key=lambda i: (-views[i].peak, i)):
             for _ in range(EXCHANGE_STEPS):
-                found = best_exchange(ctx, views, index)
+                found = best_exchange(ctx, views, index, ties)
                 if found is None:
                     break
                 apply(ctx, views[index].top, found)
                 other = found[2]
                 views[index], views[other] = RowView(rows[index]), RowView(rows[other])
-                changed = True
-        if not changed:
-            return
+        if sum(view.peak for view in views) >= before:
+            return  # a pass that only broke ties ends the search
 
 
-def best_exchange(ctx: Context, views: Sequence[RowView], index: int) -> Optional[Exchange]:
+def best_exchange(
+    ctx: Context, views: Sequence[RowView], index: int, ties: bool = False
+) -> Optional[Exchange]:
     """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the
     most (by at least ``MIN_GAIN`` of the peak); None when none does. The top's peak falls by at
     most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
-    first until the relief cannot beat the best gain found."""
+    first until the relief cannot beat the best gain found. With ``ties``, when the top group
+    ties with another (no relief), the exchange of its longest samples (``TIE_ITEMS``) that
+    lowers it most without raising any peak is made instead: the next search can then lower the
+    other."""
     view = views[index]
-    top = view.top
-    best: Optional[Exchange] = None
     floor = view.peak * MIN_GAIN
+    tied = ties and view.cap <= floor
+    best: Optional[Exchange] = None
+    for rank, (item, out, leaves) in enumerate(top_samples(ctx, view)):
+        if (out if tied else min(view.cap, out)) <= floor or (tied and rank == TIE_ITEMS):
+            break  # shorter samples relieve the top group even less
+        for other, receiver in enumerate(views):
+            if other == index:
+                continue
+            for relief, growth, group, back in exchanges(ctx, view, item, out, receiver, leaves):
+                gain = relief if tied and growth <= 0.0 else min(view.cap, relief) - growth
+                if gain > floor:
+                    best, floor = (gain, item, other, group, back), gain
+    return best
+
+
+def top_samples(ctx: Context, view: RowView) -> Iterator[Tuple[Item, float, bool]]:
+    """(sample, its per-rank cost on the top group, whether it may leave without a sample in
+    exchange) for the samples of ``view``'s top group examined, longest first."""
+    top = view.top
     movable = len(top.items) > 1
     for item in spread(view.partners(top), EXCHANGE_ITEMS):
-        out = ctx.load(item.seqlen, top.size)
-        if min(view.cap, out) <= floor:
-            break
-        leaves = movable and top.tokens > item.seqlen
-        for other, receiver in enumerate(views):
-            if other != index:
-                for gain, group, back in exchanges(ctx, view, item, out, receiver, leaves):
-                    if gain > floor:
-                        best, floor = (gain, item, other, group, back), gain
-    return best
+        yield item, ctx.load(item.seqlen, top.size), movable and top.tokens > item.seqlen
 
 
 def exchanges(
     ctx: Context, view: RowView, item: Item, out: float, receiver: RowView, leaves: bool
-) -> Iterator[Tuple[float, GroupDraft, Optional[Item]]]:
+) -> Iterator[Tuple[float, float, GroupDraft, Optional[Item]]]:
     """The exchanges of ``item`` (per-rank cost ``out`` on ``view``'s top group) with
-    ``receiver``, as (gain, group, sample sent back or None): per CP size that can take
-    it, a move to the least-loaded group with room (when ``leaves``: its group keeps a non-empty
-    sample) and swaps with the ``SWAP_PARTNERS`` longest shorter samples of the
-    ``SWAP_GROUPS`` least-loaded groups. A receiver's peak counts only when it grows (a swap
-    that also lowers it is found from the receiver's side)."""
-    top, budget = view.top, ctx.domain.budget
+    ``receiver``, as (how much the top group's load falls, how much the receiver's peak grows,
+    group, sample sent back or None): per CP size that can take it, a move to the least-loaded
+    group with room (when ``leaves``: its group keeps a non-empty sample) and swaps with the
+    ``SWAP_PARTNERS`` longest shorter samples of the ``SWAP_GROUPS`` least-loaded groups. A
+    receiver's peak counts only when it grows (a swap that also lowers it is found from the
+    receiver's side)."""
+    top, budget, peak = view.top, ctx.domain.budget, receiver.peak
+    top_costs = ctx.per_size[top.size]
     for size, groups in receiver.by_size.items():
         if size < item.min_cp:
             continue
-        into = ctx.load(item.seqlen, size)
+        costs = ctx.per_size[size]
+        into = costs[item.seqlen]
         if leaves:
             group = next((g for g in groups if size * budget - g.tokens >= item.seqlen), None)
             if group is not None:
-                growth = max(0.0, group.load + into - receiver.peak)
-                yield min(view.cap, out) - growth, group, None
+                yield out, max(0.0, group.load + into - peak), group, None
         for group in groups[:SWAP_GROUPS]:
             for back in swap_partners(ctx, top, item, group, receiver.partners(group)):
-                relief = min(view.cap, out - ctx.load(back.seqlen, top.size))
-                growth = max(0.0, group.load + into - ctx.load(back.seqlen, size) - receiver.peak)
-                yield relief - growth, group, back
+                length = back.seqlen
+                growth = max(0.0, group.load + into - costs[length] - peak)
+                yield out - top_costs[length], growth, group, back
 
 
 def swap_partners(
@@ -153,7 +175,9 @@ def swap_partners(
     """The (at most ``SWAP_PARTNERS``) longest samples of ``partners`` (``group``'s, longest
     first) shorter than ``item`` that may trade places with it: both within the token budget
     and their minimum CP sizes, ``top`` keeping a non-empty sample."""
-    room, top_room = ctx.room(group) - item.seqlen, ctx.room(top) + item.seqlen
+    budget = ctx.domain.budget
+    room = group.size * budget - group.tokens - item.seqlen
+    top_room = top.size * budget - top.tokens + item.seqlen
     found = 0
     for back in partners:
         if back.seqlen >= item.seqlen:

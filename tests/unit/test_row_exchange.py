@@ -64,6 +64,17 @@ def test_a_lone_sample_is_swapped_with_a_shorter_one():
     assert [[it.seqlen for it in g.items] for g in rows[0]] == [[30], [10]]
 
 
+def test_a_top_group_tied_with_another_sheds_first_without_gain():
+    """60 and 60 tie: moving a 10 from either leaves the peak at 60, but it costs nothing (the
+    other micro-batch's 10 + 10 stays under its 40); then the other 10 moves too (100 -> 90)."""
+    ctx = Context(Domain(2, 1, 100), LINEAR)
+    rows = rank_rows(ctx, [[[50, 10], [50, 10]], [[40], [10]]])
+    exchange_between_rows(ctx, rows)
+    assert peaks(rows) == [60, 40]  # ties are broken only when asked
+    exchange_between_rows(ctx, rows, ties=True)
+    assert peaks(rows) == [50, 40]
+
+
 def test_no_exchange_when_the_receiving_group_has_no_room():
     ctx = Context(Domain(2, 1, 60), LINEAR)
     rows = rank_rows(ctx, [[[30, 30], [20]], [[30, 30], [60]]])
