@@ -22,7 +22,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 DISTRIBUTION_FLAG = "distribution"
 LENGTHS_FLAG = "lengths_file"

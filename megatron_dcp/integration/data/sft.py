@@ -29,7 +29,6 @@ from megatron_dcp.integration.data.conversations import (
     SFT_DATA_FLAG,
     SKIP_INVALID_FLAG,
     Conversation,
-    ConversationError,
     ConversationFile,
     conversations_of,
     open_conversation_files,
