@@ -44,8 +44,8 @@ from megatron_dcp.integration.data.conversations import (
 from megatron_dcp.integration.data.indexed import (
     DATA_PATH_FLAG,
     DEFAULT_SPLIT,
-    SPLIT_FLAG,
     IndexedDocumentDataset,
+    check_split_range,
     open_indexed,
     single_prefix,
     split_document_ranges,
@@ -189,12 +189,8 @@ def _split_dataset(
     """One split's dataset; None for 0 samples, ValueError when its range has no documents."""
     if count == 0:
         return None
-    if document_range[0] == document_range[1]:
-        raise ValueError(
-            f"{SPLIT_FLAG}={config.split!r}: the {name} split of {DATA_PATH_FLAG}={prefix!r} "
-            f"has no documents but {count} {name} samples are needed; give {name} a larger "
-            f"weight or set its sample count (iterations) to 0."
-        )
+    source = f"{DATA_PATH_FLAG}={prefix!r}"
+    check_split_range(config.split, name, count, document_range, source, "documents")
     return IndexedDocumentDataset(
         prefix, config.seq_length, count, config.seed, document_range, name
     )

@@ -134,3 +134,16 @@ def split_document_ranges(split: str, num_documents: int) -> Tuple[Tuple[int, in
     bounds = [0.0, fractions[0], fractions[0] + fractions[1], 1.0]
     edges = [int(round(bound * num_documents)) for bound in bounds]
     return tuple((edges[i], edges[i + 1]) for i in range(3))
+
+
+def check_split_range(
+    split: str, name: str, count: int, item_range: Tuple[int, int], source: str, items: str
+) -> None:
+    """ValueError when split ``name`` needs ``count`` samples but its ``[begin, end)`` range of
+    ``source``'s ``items`` (documents, conversations) is empty."""
+    if count > 0 and item_range[0] == item_range[1]:
+        raise ValueError(
+            f"{SPLIT_FLAG}={split!r}: the {name} split of {source} has no {items} but {count} "
+            f"{name} samples are needed; give {name} a larger weight or more {items}, or set "
+            "its sample count (iterations) to 0."
+        )

@@ -34,7 +34,7 @@ from megatron_dcp.integration.data.conversations import (
     open_conversation_files,
     split_paths,
 )
-from megatron_dcp.integration.data.indexed import SPLIT_FLAG, split_document_ranges
+from megatron_dcp.integration.data.indexed import check_split_range, split_document_ranges
 from megatron_dcp.integration.data.samples import (
     Sample,
     first_rank,
@@ -137,15 +137,11 @@ def build_sft_datasets(
     """(train, valid, test) datasets of the ``--sft-data`` conversations; None for 0 samples."""
     table = conversation_table(split_paths(sft_data), chat, options)
     ranges = split_document_ranges(split, len(table))
+    source = f"the {len(table)} {SFT_DATA_FLAG} conversations"
     datasets = []
-    for name, count, (begin, end) in zip(("train", "valid", "test"), num_samples, ranges):
-        if count > 0 and begin == end:
-            raise ValueError(
-                f"{SPLIT_FLAG}={split!r}: the {name} split of the {len(table)} {SFT_DATA_FLAG} "
-                f"conversations is empty but {count} {name} samples are needed; give {name} a "
-                "larger weight, more conversations, or set its sample count (iterations) to 0."
-            )
-        dataset = SFTConversationDataset(table, chat, options, count, seed, (begin, end), name)
+    for name, count, item_range in zip(("train", "valid", "test"), num_samples, ranges):
+        check_split_range(split, name, count, item_range, source, "conversations")
+        dataset = SFTConversationDataset(table, chat, options, count, seed, item_range, name)
         datasets.append(dataset if count > 0 else None)
     return tuple(datasets)
 
