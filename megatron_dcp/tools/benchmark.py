@@ -117,15 +117,15 @@ def benchmark_comparisons(args: argparse.Namespace) -> List[Comparison]:
     return comparisons
 
 
+def dev_ratio(comparison: Comparison) -> Optional[float]:
+    """Our critical path over the dev peer's; None unless both have a plan."""
+    ours, dev = (list(figures(comparison).values()) + [None] * 2)[:2]
+    return ours.critical_path / dev.critical_path if ours and dev else None
+
+
 def dev_ratios(table: Sequence[Comparison]) -> List[float]:
-    """Our critical path over the dev peer's, for each case where both have a plan."""
-    ratios = []
-    for comparison in table:
-        reports = list(figures(comparison).values())
-        ours, dev = (reports + [None] * 2)[:2]
-        if ours and dev:
-            ratios.append(ours.critical_path / dev.critical_path)
-    return ratios
+    """:func:`dev_ratio` of each case where both have a plan."""
+    return [ratio for ratio in map(dev_ratio, table) if ratio is not None]
 
 
 def figures(comparison: Comparison) -> Dict[str, Any]:
@@ -153,7 +153,7 @@ def format_matrix(label: str, table: Sequence[Comparison]) -> str:
     for comparison in table:
         reports = list(figures(comparison).values())
         ours, dev, old = (reports + [None] * 3)[:3]
-        ratio = ours.critical_path / dev.critical_path if ours and dev else None
+        ratio = dev_ratio(comparison)
         within += bool(ours and ours.ratio <= TARGET_RATIO)
         layout = f"dp{comparison.spec.dp_size}×cp{comparison.spec.cp_size}"
         rows.append(
