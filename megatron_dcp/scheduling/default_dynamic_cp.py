@@ -61,7 +61,7 @@ from typing import List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling.balance import lpt_partition
 from megatron_dcp.scheduling.draft import SEQLEN, Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
-from megatron_dcp.scheduling.metrics import fluid_lower_bound
+from megatron_dcp.scheduling.lower_bound import batch_lower_bound
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.microbatch_forming import fill_level, heaviest_first, next_hdp_group
 from megatron_dcp.scheduling.plan import MicroBatch
@@ -104,7 +104,7 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
                 exchange_between_rows(ctx, rows)
         best = plans[0]
         if len(plans) > 1:
-            bound = fluid_lower_bound(seqlens, self.domain, self.cost_model)
+            bound = batch_lower_bound(seqlens, self.domain, self.cost_model, vpp)
             best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         if search:
             polish_rows(ctx, best)

@@ -1,13 +1,13 @@
 """Plan metrics, the one definition every tool and log line uses: per-rank loads and tokens of
 a micro-batch, the critical path of a plan (Σ over micro-batches of the most-loaded rank's cost),
-its fluid lower bound, and the load imbalance of a micro-batch."""
+its lower bound, and the load imbalance of a micro-batch."""
 
 from __future__ import annotations
 
 from typing import List, Sequence
 
 from megatron_dcp.scheduling.cost import CostModel
-from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.lower_bound import batch_lower_bound
 from megatron_dcp.scheduling.plan import MicroBatch, Plan
 
 
@@ -37,29 +37,11 @@ def critical_path(plan: Plan, cost: CostModel) -> float:
 
 
 def lower_bound(plan: Plan, cost: CostModel) -> float:
-    """Fluid lower bound Σ_i (W_i + R_i) / N + K·microbatch, with W_i = c_i · per_rank(L_i, c_i)
-    the total cost of sample i at its minimum CP size c_i, R_i = L_i · ring_cost(c_i) / budget
-    its least share of ring steps, and K = ⌈Σ L / (N · budget)⌉ the fewest micro-batches the
-    tokens fit in. It is a true lower bound of the critical path:
-
-    - the total cost c · per_rank(L, c) = a·L + b·L²/η + comm·L·(c−1) (c > 1) never falls as c
-      grows (η ≤ 1, comm ≥ 0; with a node layout, comm only grows once c crosses a node);
-    - a group of c ≥ c_i ranks pays c · ring_cost(c) in all for at most c · budget tokens, so
-      each of its tokens carries at least ring_cost(c_i) / budget of ring steps (ring_cost
-      never falls as c grows: the inter-node factors are ≥ 1);
-    - every micro-batch's most-loaded rank carries at least the micro-batch's mean load, and no
-      plan has fewer than K micro-batches."""
-    return fluid_lower_bound(plan.seqlens, plan.domain, cost)
-
-
-def fluid_lower_bound(seqlens: Sequence[int], domain: Domain, cost: CostModel) -> float:
-    """:func:`lower_bound` from the lengths alone (for schedules that are not a :class:`Plan`)."""
-    total = 0.0
-    for seqlen in seqlens:
-        size = domain.cp_degree(seqlen)
-        total += cost.per_rank(seqlen, size) * size + seqlen * cost.ring_cost(size) / domain.budget
-    fewest = -(-sum(seqlens) // (domain.size * domain.budget))
-    return total / domain.size + cost.microbatch * fewest
+    """No plan of these lengths over this domain (and VPP group size) has a shorter critical
+    path: ``lower_bound.batch_lower_bound``, whose docstring gives the bound and its proof."""
+    return batch_lower_bound(
+        plan.seqlens, plan.domain, cost, plan.microbatch_group_size_per_vp_stage
+    )
 
 
 def imbalance(loads: Sequence[float]) -> float:
@@ -78,7 +60,7 @@ def plan_imbalance(plan: Plan, cost: CostModel) -> float:
 
 __all__ = [
     "critical_path",
-    "fluid_lower_bound",
+    "batch_lower_bound",
     "imbalance",
     "lower_bound",
     "plan_imbalance",

@@ -27,7 +27,7 @@ class NodeLayout:
 
     ``comm_factor`` multiplies the exposed K/V exchange cost (``comm``) and ``ring_factor`` the
     ring-step cost (``ring_step``) of a group larger than ``node_size``; both are ≥ 1 (crossing
-    a node never makes a ring cheaper, which keeps the fluid lower bound a lower bound).
+    a node never makes a ring cheaper, which keeps the lower bound a lower bound).
     """
 
     node_size: int

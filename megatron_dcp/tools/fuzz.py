@@ -4,7 +4,8 @@ Every case draws a domain (any N = dp·cp in 1..64, a power-of-two minimum CP si
 group size, a budget) and 0–300 lengths (tiny, typical and near-maximal), runs each scheduler and
 checks the plan with :func:`~megatron_dcp.tools.plan_check.check_plan`, which re-derives every
 plan invariant (docs/architecture.md) from the raw fields of the plan without using
-:meth:`Plan.validate` or :class:`Domain` helpers. Inputs that a scheduler must or may reject
+:meth:`Plan.validate` or :class:`Domain` helpers, and checks that the lower bound is not above the
+plan's critical path. Inputs that a scheduler must or may reject
 (:func:`~megatron_dcp.tools.plan_check.rejection`) must raise ``ValueError`` and nothing else; a
 rejection of an input that provably has a plan is a violation. Failures are shrunk to a short
 reproducer. Pure Python; run ``python -m megatron_dcp.tools.fuzz --cases 20000 --jobs 2``.
@@ -20,6 +21,7 @@ from itertools import zip_longest
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 from megatron_dcp.scheduling.plan import InvalidPlanError, Plan
 from megatron_dcp.scheduling.registry import Scheduler, build_scheduler
 from megatron_dcp.tools.fuzz_cases import FuzzCase, draw_case
@@ -92,8 +94,12 @@ def run_case(name: str, case: FuzzCase) -> CaseVerdict:
 
 
 def plan_problems(name: str, case: FuzzCase, scheduler: Scheduler, plan: Plan) -> List[str]:
-    """:func:`check_plan` (+ static CP for ``dp_balanced``), ``validate()`` and determinism."""
+    """:func:`check_plan` (+ static CP for ``dp_balanced``), ``validate()``, the lower bound
+    (never above the critical path) and determinism."""
     problems = check_plan(plan, case.seqlens, case.domain(), case.vpp)
+    cost = scheduler.cost_model
+    if lower_bound(plan, cost) > critical_path(plan, cost) * (1 + 1e-9):
+        problems.append("the lower bound is above the plan's critical path")
     if name == "dp_balanced":
         problems += check_static_cp(plan, case.cp_size)
     try:

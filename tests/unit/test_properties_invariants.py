@@ -68,7 +68,7 @@ COSTS = st.builds(
 @settings(max_examples=scaled(100), deadline=None)
 @given(data=st.data(), cost=COSTS)
 def test_the_lower_bound_is_below_the_critical_path(name, data, cost):
-    """Whatever the cost model (ring steps, CP efficiency), the fluid bound is a true bound."""
+    """Whatever the cost model (ring steps, CP efficiency), the lower bound is a true bound."""
     plan = plan_or_none(name, data.draw(cases(name)))
     if plan is not None and plan.seqlens:
         assert lower_bound(plan, cost) <= critical_path(plan, cost) * (1 + 1e-9)

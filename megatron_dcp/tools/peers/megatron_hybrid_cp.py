@@ -22,7 +22,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.metrics import fluid_lower_bound
+from megatron_dcp.scheduling.lower_bound import batch_lower_bound
 from megatron_dcp.tools.plot import Cell, Panel, panel_title
 from megatron_dcp.tools.simulator import Report
 
@@ -140,7 +140,7 @@ def peer_report(schedule: PeerSchedule, domain: Domain, cost: CostModel) -> Repo
     return Report(
         scheduler=PEER_NAME,
         critical_path=sum(max(schedule.rank_loads(g, cost)) for g in groups),
-        lower_bound=fluid_lower_bound(schedule.seqlens, domain, cost),  # same as ours
+        lower_bound=batch_lower_bound(schedule.seqlens, domain, cost),  # ours, without VPP
         num_microbatches=max(passes, default=0),
         max_tokens_per_rank=max(tokens, default=0.0),
         mean_tokens_per_rank=sum(tokens) / len(tokens) if tokens else 0.0,

@@ -1,0 +1,99 @@
+"""The lower bound of a plan's critical path, from the lengths alone.
+
+``batch_lower_bound(seqlens, domain, cost, vpp) = (Σ_i W_i + R) / N + K · microbatch``:
+
+- ``W_i = c_i · per_rank(L_i, c_i)``, sample i's cost summed over its ranks at its minimum CP
+  size ``c_i``. A sample's total cost ``a·L + b·L²/η + comm·L·(c−1)`` never falls as c grows
+  (η ≤ 1, comm ≥ 0; over nodes, comm only grows once c crosses a node).
+- ``K``, the fewest micro-batches: the tokens need ⌈Σ L / (N · budget)⌉ (at least one when
+  there is a sample), rounded up to a multiple of the VPP group size.
+- ``R ≤`` the ring steps every plan pays, summed over ranks: a group of c ranks that holds a
+  sample pays ``c · ring_cost(c)``. Two bounds, the larger is taken:
+
+  - **shares** (:func:`ring_shares`): each sample is charged a share ``f(L)`` of its group's
+    ring steps such that no group can hold samples whose shares exceed what it pays. A sample
+    longer than the next smaller size holds (``L > p · budget``, so it needs c ranks) is alone
+    of its kind in a group of c, so it carries that group's whole ring cost less the most the
+    rest of the group's tokens could carry: ``f_c(L) = c·ring(c) − (c·budget − L)·ρ(p)``, with
+    ``ρ(p)`` the largest share per token of a sample that fits p ranks. That is at least the
+    fluid share ``L · ring(c) / budget`` (a group packed to the budget) and much more for a
+    sample that leaves its group half empty.
+  - **coverage**: the groups of a micro-batch partition the N ranks and each holds a sample,
+    so a micro-batch of m samples has at most m groups and pays Σ c·ring(c) ≥
+    ring_step · (N²/m − N) (Cauchy–Schwarz); spread over K micro-batches (convexity) that is
+    ``ring_step · N · K · (N·K/n − 1)`` for n samples. It bites when there are few samples
+    per rank (long sequences, or micro-batches VPP adds).
+
+- every micro-batch's most-loaded rank carries at least the micro-batch's mean load.
+
+No plan that keeps the invariants of ``Plan.validate`` has a shorter critical path
+(``tests/unit/test_lower_bound.py`` checks every inequality above, and the property tests check
+the bound against every scheduler's plans under random coefficients).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.domain import Domain
+
+# A share f(L) = base + rate · L per CP size (the minimum CP size of the sample).
+Share = Tuple[float, float]
+
+
+def batch_lower_bound(
+    seqlens: Sequence[int], domain: Domain, cost: CostModel, vpp: Optional[int] = None
+) -> float:
+    """The lower bound of the module docstring for these lengths (sample id = index)."""
+    if not seqlens:
+        return 0.0
+    shares = ring_shares(domain, cost)
+    work = shared = 0.0
+    for seqlen in seqlens:
+        size = domain.cp_degree(seqlen)
+        base, rate = shares[size]
+        work += cost.per_rank(seqlen, size) * size
+        shared += base + rate * seqlen
+    count = fewest_microbatches(seqlens, domain, vpp)
+    ring = max(shared, coverage_ring(len(seqlens), count, domain.size, cost))
+    return (work + ring) / domain.size + cost.microbatch * count
+
+
+def fewest_microbatches(seqlens: Sequence[int], domain: Domain, vpp: Optional[int]) -> int:
+    """No plan of ``seqlens`` has fewer micro-batches: the tokens' need, at least one, rounded up
+    to a multiple of ``vpp``."""
+    count = max(1, -(-sum(seqlens) // (domain.size * domain.budget))) if seqlens else 0
+    return -(-count // vpp) * vpp if vpp else count
+
+
+def coverage_ring(samples: int, microbatches: int, ranks: int, cost: CostModel) -> float:
+    """Least ring cost, summed over ranks, of ``microbatches`` micro-batches that cover ``ranks``
+    ranks with groups of ``samples`` samples in all (each group holds one at least)."""
+    if not samples:
+        return 0.0
+    spread = ranks * microbatches / samples - 1.0
+    return cost.ring_step * ranks * microbatches * max(spread, 0.0)
+
+
+def ring_shares(domain: Domain, cost: CostModel) -> Dict[int, Share]:
+    """Minimum CP size -> (base, rate) of the share ``f(L) = base + rate · L`` of ring cost a
+    sample of that minimum size carries (module docstring). Sizes ascend; ``rho`` is the largest
+    share per token of the sizes so far. The shares are feasible when every ``base`` ≥ 0 (a
+    group holding only smaller samples pays at least their shares); otherwise, the fluid shares
+    ``L · ring(c) / budget`` (base 0), which always are."""
+    budget, shares = domain.budget, {}
+    previous: Optional[int] = None
+    rho = 0.0
+    for size in domain.group_sizes:
+        ring = cost.ring_cost(size)
+        if previous is None:  # samples of the smallest size may share a group: the fluid share
+            base, rate = 0.0, ring / budget
+        else:
+            base, rate = size * ring - size * budget * rho, rho
+            if base < 0:
+                return {c: (0.0, cost.ring_cost(c) / budget) for c in domain.group_sizes}
+        shares[size] = (base, rate)
+        rho = rate + (base / (previous * budget) if previous else 0.0)
+        previous = size
+    return shares

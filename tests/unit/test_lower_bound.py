@@ -1,0 +1,135 @@
+"""The lower bound (``scheduling.lower_bound``): each inequality of its proof on its own, and
+cases where it is exact and the fluid bound is not. That it stays below every scheduler's
+critical path under random coefficients is tested with the plan invariants
+(``test_properties_invariants``) and over nodes (``test_topology``)."""
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from scheduling_strategies import scaled
+
+from megatron_dcp.scheduling import CostModel, Domain, build_scheduler
+from megatron_dcp.scheduling.lower_bound import (
+    batch_lower_bound,
+    coverage_ring,
+    fewest_microbatches,
+    ring_shares,
+)
+from megatron_dcp.scheduling.metrics import critical_path, lower_bound
+from megatron_dcp.scheduling.topology import NodeLayout
+
+RING = CostModel(1.0, 0.0, ring_step=50.0)
+
+
+def scheduler(ranks, budget, cost, vpp=None):
+    return build_scheduler(
+        "default_dynamic_cp",
+        dp_size=ranks,
+        cp_size=1,
+        max_seqlen_per_dp_cp_rank=budget,
+        microbatch_group_size_per_vp_stage=vpp,
+        cost_model=cost,
+    )
+
+
+def share(shares, domain, seqlen):
+    base, rate = shares[domain.cp_degree(seqlen)]
+    return base + rate * seqlen
+
+
+def fluid_ring(seqlens, domain, cost):
+    """The fluid bound's ring term: every group packed to the budget."""
+    return sum(L * cost.ring_cost(domain.cp_degree(L)) / domain.budget for L in seqlens)
+
+
+@st.composite
+def groups(draw):
+    """(domain, cost, group size, lengths of one group of that size that keeps the budget)."""
+    dp = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16]))
+    cp = draw(st.sampled_from([1, 2, 4]))
+    budget = draw(st.integers(1, 64))
+    min_cp = draw(st.sampled_from([1, 1, 2]))
+    assume(min_cp <= dp * cp)
+    domain = Domain(dp, cp, budget, min_cp)
+    per_node = draw(st.sampled_from([None, 1, 2, 4]))
+    nodes = NodeLayout(per_node, draw(st.floats(1, 10)), draw(st.floats(1, 4))) if per_node else None
+    cost = CostModel(1.0, draw(st.floats(0, 1)), ring_step=draw(st.floats(0, 100)), nodes=nodes)
+    size = draw(st.sampled_from(domain.group_sizes))
+    room, lengths = size * budget, []
+    while room > 0 and len(lengths) < 12:
+        length = draw(st.integers(0, room))
+        lengths.append(length)
+        room -= length
+    return domain, cost, size, lengths
+
+
+@settings(max_examples=scaled(400), deadline=None)
+@given(groups())
+def test_no_group_holds_more_shares_than_its_ring_costs(case):
+    """The feasibility the share bound rests on, for any group a plan may hold: token budget
+    kept, every sample's minimum CP size at most the group's, node tiers included."""
+    domain, cost, size, lengths = case
+    shares = ring_shares(domain, cost)
+    total = sum(share(shares, domain, L) for L in lengths)
+    assert total <= size * cost.ring_cost(size) * (1 + 1e-9) + 1e-9
+
+
+@settings(max_examples=scaled(200), deadline=None)
+@given(groups())
+def test_shares_are_at_least_the_fluid_ones(case):
+    domain, cost, _, lengths = case
+    shares = ring_shares(domain, cost)
+    for L in lengths:
+        fluid = L * cost.ring_cost(domain.cp_degree(L)) / domain.budget
+        assert share(shares, domain, L) >= fluid * (1 - 1e-9) - 1e-9
+
+
+def test_one_long_sample_per_microbatch_is_priced_exactly():
+    """Two samples of budget + 1 tokens on two ranks: each needs both ranks, alone. The bound
+    equals the critical path; the fluid ring term charges about half of each group's ring."""
+    domain, lengths = Domain(2, 1, 100), [101, 101]
+    cost = CostModel(1.0, 0.01, comm=0.2, ring_step=50.0, microbatch=3.0)
+    plan = scheduler(2, 100, cost).schedule(lengths)
+    assert lower_bound(plan, cost) == pytest.approx(critical_path(plan, cost))
+    shares = ring_shares(domain, cost)
+    assert sum(share(shares, domain, L) for L in lengths) == pytest.approx(4 * 50.0)
+    assert fluid_ring(lengths, domain, cost) == pytest.approx(2 * 101 * 50.0 / 100)
+
+
+def test_few_samples_pay_their_coverage():
+    """VPP 4 over 4 short samples on 8 ranks: each micro-batch holds one sample on one group
+    of 8. Coverage gives exactly that ring cost; the shares (CP 1 samples) give none."""
+    domain, lengths = Domain(8, 1, 100), [10, 20, 30, 40]
+    assert fewest_microbatches(lengths, domain, 4) == 4
+    assert coverage_ring(4, 4, 8, RING) == pytest.approx(4 * 8 * RING.ring_cost(8))
+    plan = scheduler(8, 100, RING, vpp=4).schedule(lengths)
+    assert lower_bound(plan, RING) == pytest.approx(critical_path(plan, RING))
+    assert sum(share(ring_shares(domain, RING), domain, L) for L in lengths) == 0.0
+
+
+def test_no_coverage_once_every_rank_can_hold_its_own_sample():
+    assert coverage_ring(64, 2, 32, RING) == 0.0
+    assert coverage_ring(0, 0, 8, RING) == 0.0
+
+
+def test_fewest_microbatches_rounds_up_to_the_vpp_group():
+    domain = Domain(4, 1, 10)
+    assert fewest_microbatches([40, 1], domain, None) == 2
+    assert fewest_microbatches([40, 1], domain, 4) == 4
+    assert fewest_microbatches([0, 0], domain, None) == 1  # a sample needs a micro-batch
+    assert fewest_microbatches([], domain, 2) == 0
+    cost = CostModel(1.0, 0.0, microbatch=7.0)
+    assert batch_lower_bound([40, 1], domain, cost, 4) - batch_lower_bound(
+        [40, 1], domain, cost, None
+    ) == pytest.approx(2 * 7.0)
+
+
+def test_shares_fall_back_to_the_fluid_ones_where_the_proof_fails():
+    """On 10 ranks the whole-domain group costs little more than a group of 8: the largest share
+    per token of a size-8 sample, times 10 budgets, exceeds what a group of 10 pays, so the
+    proof does not hold and every size gets the fluid share."""
+    domain = Domain(10, 1, 100)
+    shares = ring_shares(domain, RING)
+    assert shares == {c: (0.0, RING.ring_cost(c) / 100) for c in domain.group_sizes}
+    powers = ring_shares(Domain(8, 1, 100), RING)
+    assert powers[8][0] > 0  # power-of-two domains keep the exclusive shares
