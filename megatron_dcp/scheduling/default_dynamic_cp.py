@@ -5,7 +5,7 @@ Micro-batches may differ in load; what costs time is imbalance *inside* a micro-
 overhead (each group's ring steps, carried from its first sample, included) and micro-batches
 beyond the fewest. Steps (each a named function; steps 1 and 3 live in ``microbatch_forming``,
 4 and 5 in ``row_refinement``, 6 in ``vpp_alignment``, 7 in ``row_exchange``, 8 in
-``row_polish``):
+``row_polish``, 9 in ``row_reforming``):
 
 1. ``heaviest_first``    – order the samples by least total work (cost at their minimum CP size).
 2. ``plan_rows``         – while ``is_heavy`` (a sample could match the mean level only on a CP
@@ -40,8 +40,12 @@ beyond the fewest. Steps (each a named function; steps 1 and 3 live in ``microba
 8. ``polish_rows``       – on the chosen plan (same batches): shifts of samples off each
                            micro-batch's top group, redeals of its samples with a light group's,
                            merges of two groups into one of twice the size and splits of a group
-                           into halves while that lowers the top (``row_polish``), then step 7
-                           again, breaking ties.
+                           into halves while that lowers the top (``row_polish``), then step 9,
+                           then step 7 again, breaking ties.
+9. ``reform_pairs``      – on the chosen plan, unless it is already within ``GOOD_PLAN`` of the
+                           lower bound: the samples of two micro-batches pooled and formed again
+                           by step 3 (heaviest first, then the rest) and polished, kept when the
+                           pair's Σ peaks falls (``row_reforming``; a bounded number of pairs).
 
 Batches of at most ``SEARCH_SAMPLES`` samples, and plans VPP alignment would split (either with
 at most ``SEARCH_ROWS`` micro-batches), also try step 2 with every micro-batch formed from the
@@ -69,6 +73,7 @@ from megatron_dcp.scheduling.registry import Scheduler
 from megatron_dcp.scheduling.row_dissolving import dissolve_light_rows
 from megatron_dcp.scheduling.row_exchange import exchange_between_rows
 from megatron_dcp.scheduling.row_polish import polish_rows
+from megatron_dcp.scheduling.row_reforming import reform_pairs
 from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
 from megatron_dcp.scheduling.vpp_alignment import align_to_vpp
 
@@ -80,7 +85,8 @@ HEAVY_WASTE = 0.02
 # the all-levels and packing variants of ``plan_rows``.
 SEARCH_SAMPLES = 512
 SEARCH_ROWS = 32
-# A plan within this factor of the lower bound is good enough: then fewer micro-batches win.
+# A plan within this factor of the lower bound is good enough: then fewer micro-batches win, and
+# step 9 is not tried.
 GOOD_PLAN = 1.02
 
 
@@ -102,12 +108,12 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         if search:
             for rows in plans:
                 exchange_between_rows(ctx, rows)
-        best = plans[0]
-        if len(plans) > 1:
-            bound = batch_lower_bound(seqlens, self.domain, self.cost_model, vpp)
-            best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
+        bound = batch_lower_bound(seqlens, self.domain, self.cost_model, vpp)
+        best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
         if search:
             polish_rows(ctx, best)
+            if draft_critical_path(ctx, best) > GOOD_PLAN * bound:
+                reform_pairs(ctx, best)
             exchange_between_rows(ctx, best, ties=True)
         return [freeze_microbatch(row) for row in best]
 
@@ -192,9 +198,10 @@ def plan_rows(
 
 def packed_rows(ctx: Context, pool: List[Item], vpp: Optional[int] = None) -> List[Row]:
     """Step 2, packing variant: each micro-batch opens with the heaviest sample left on its
-    smallest CP size an empty micro-batch can hold, fills up to that sample's level, then takes whatever else of the pool its
-    tokens hold where the micro-batch's peak grows least (few micro-batches, each filled; the
-    strategy of Megatron dev's greedy scheduler, judged by this cost model)."""
+    smallest CP size an empty micro-batch can hold, fills up to that sample's level, then takes
+    whatever else of the pool its tokens hold where the micro-batch's peak grows least (few
+    micro-batches, each filled; the strategy of Megatron dev's greedy scheduler, judged by this
+    cost model)."""
     rows: List[Row] = []
     while pool:
         builder = MicroBatchBuilder(ctx)

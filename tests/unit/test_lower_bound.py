@@ -52,7 +52,9 @@ def groups(draw):
     assume(min_cp <= dp * cp)
     domain = Domain(dp, cp, budget, min_cp)
     per_node = draw(st.sampled_from([None, 1, 2, 4]))
-    nodes = NodeLayout(per_node, draw(st.floats(1, 10)), draw(st.floats(1, 4))) if per_node else None
+    nodes = None
+    if per_node:
+        nodes = NodeLayout(per_node, draw(st.floats(1, 10)), draw(st.floats(1, 4)))
     cost = CostModel(1.0, draw(st.floats(0, 1)), ring_step=draw(st.floats(0, 100)), nodes=nodes)
     size = draw(st.sampled_from(domain.group_sizes))
     room, lengths = size * budget, []
