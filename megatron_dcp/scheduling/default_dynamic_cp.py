@@ -98,24 +98,33 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         degree = {length: self.domain.cp_degree(length) for length in set(seqlens)}
         items = list(map(Item, range(len(seqlens)), seqlens, map(degree.__getitem__, seqlens)))
         vpp = self.microbatch_group_size_per_vp_stage
-        plans = candidate_plans(ctx, items, vpp)
+        best = searched_plan(ctx, items, vpp)
         nodes = self.cost_model.nodes
         if len(items) <= SEARCH_SAMPLES and nodes and nodes.node_size < self.domain.size:
-            # Over nodes, the plans made blind to them are candidates too, priced as they are.
+            # Over nodes, the plan made blind to them competes too, priced as it is: knowing the
+            # nodes never plans a longer critical path than not knowing them.
             blind = Context(self.domain, self.cost_model.with_nodes(None))
-            plans += [repriced(ctx, rows) for rows in candidate_plans(blind, items, vpp)]
-        search = len(items) <= SEARCH_SAMPLES
-        if search:
-            for rows in plans:
-                exchange_between_rows(ctx, rows)
-        bound = batch_lower_bound(seqlens, self.domain, self.cost_model, vpp)
-        best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
-        if search:
-            polish_rows(ctx, best)
-            if draft_critical_path(ctx, best) > GOOD_PLAN * bound:
-                reform_pairs(ctx, best)
-            exchange_between_rows(ctx, best, ties=True)
+            other = repriced(ctx, searched_plan(blind, items, vpp))
+            best = min((best, other), key=lambda rows: draft_critical_path(ctx, rows))
         return [freeze_microbatch(row) for row in best]
+
+
+def searched_plan(ctx: Context, items: Sequence[Item], vpp: Optional[int]) -> List[Row]:
+    """Steps 2–9: the candidate plans (each refined by step 7 in batches of at most
+    ``SEARCH_SAMPLES`` samples), the best by :func:`plan_rank`, then steps 8, 9 and 7 on it."""
+    plans = candidate_plans(ctx, items, vpp)
+    search = len(items) <= SEARCH_SAMPLES
+    if search:
+        for rows in plans:
+            exchange_between_rows(ctx, rows)
+    bound = batch_lower_bound([item.seqlen for item in items], ctx.domain, ctx.cost, vpp)
+    best = min(plans, key=lambda rows: plan_rank(ctx, rows, bound))
+    if search:
+        polish_rows(ctx, best)
+        if draft_critical_path(ctx, best) > GOOD_PLAN * bound:
+            reform_pairs(ctx, best)
+        exchange_between_rows(ctx, best, ties=True)
+    return best
 
 
 def candidate_plans(ctx: Context, items: Sequence[Item], vpp: Optional[int]) -> List[List[Row]]:
