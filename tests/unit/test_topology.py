@@ -115,6 +115,27 @@ def test_two_tiers_never_plan_worse_than_one_on_the_reference_workloads():
         assert row.two_tier[1] <= row.one_tier[1]
 
 
+@settings(deadline=None, max_examples=25)
+@given(
+    lengths=st.lists(st.integers(1, 40_000), min_size=1, max_size=60),
+    per_node=st.sampled_from([2, 4, 8]),
+    vpp=st.sampled_from([None, 2]),
+)
+def test_knowing_the_nodes_never_plans_a_longer_critical_path(lengths, per_node, vpp):
+    """The plan made blind to the nodes competes, priced over them: whatever the lengths."""
+    layout = NodeLayout(per_node, 9.0, 2.3)
+    cost = replace(MODEL, ring_step=64 * MODEL.linear, comm=0.03 * MODEL.linear, nodes=layout)
+    kwargs = dict(dp_size=4, cp_size=4, max_seqlen_per_dp_cp_rank=4096)
+    kwargs["microbatch_group_size_per_vp_stage"] = vpp
+    try:
+        aware = build_scheduler("default_dynamic_cp", cost_model=cost, **kwargs).schedule(lengths)
+    except ValueError:
+        return  # VPP: more micro-batches than samples allow
+    flat = cost.with_nodes(None)
+    blind = build_scheduler("default_dynamic_cp", cost_model=flat, **kwargs).schedule(lengths)
+    assert critical_path(aware, cost) <= critical_path(blind, cost) * (1 + 1e-9)
+
+
 def test_ranks_per_node_from_the_flag_or_the_launcher():
     assert ranks_per_node(4, {"LOCAL_WORLD_SIZE": "8"}) == 4
     assert ranks_per_node(None, {"LOCAL_WORLD_SIZE": "8"}) == 8
