@@ -1,5 +1,5 @@
 """Hypothesis strategies and helpers shared by the property tests of the schedulers
-(``test_properties_*.py``): domains of any size N = dp·cp in 1..64 (odd and non-powers of two
+(``test_properties_*.py``) and the draft micro-batches of the row tests (``rank_rows``): domains of any size N = dp·cp in 1..64 (odd and non-powers of two
 included), power-of-two minimum CP sizes, VPP group sizes None or 1..4, budgets 1..4096, and
 lengths mixing tiny, typical and near-maximal (N·budget) sequences."""
 
@@ -10,6 +10,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 
 from megatron_dcp.scheduling import Plan, build_scheduler
+from megatron_dcp.scheduling.domain import Block
+from megatron_dcp.scheduling.draft import Item, group_of_items
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.tools.fuzz_cases import FuzzCase
 from megatron_dcp.tools.plan_check import MUST_REJECT, rejection
@@ -107,3 +109,17 @@ def schedule_kwargs(**overrides):
 
 
 parametrize_names = pytest.mark.parametrize("name", NAMES)
+
+
+def rank_rows(ctx, layout):
+    """Draft micro-batches of one-rank groups (for the steps that work on a plan's rows) from
+    [[lengths of group 0], [lengths of group 1], ...] per micro-batch; sample ids in order of
+    appearance."""
+    rows, ids = [], iter(range(1000))
+    for groups in layout:
+        row = []
+        for start, lengths in enumerate(groups):
+            items = [Item(next(ids), length, 1) for length in lengths]
+            row.append(group_of_items(Block(start, 1), items, ctx.cost))
+        rows.append(row)
+    return rows

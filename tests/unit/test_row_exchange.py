@@ -6,7 +6,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduling_strategies import cases, scaled
+from scheduling_strategies import cases, rank_rows, scaled
 
 from megatron_dcp.scheduling import CostModel, Domain, build_scheduler
 from megatron_dcp.scheduling.default_dynamic_cp import draft_critical_path, plan_rows
@@ -18,19 +18,6 @@ from megatron_dcp.scheduling.row_exchange import exchange_between_rows
 from megatron_dcp.scheduling.vpp_alignment import split_in_place
 
 LINEAR = CostModel(1.0, 0.0)
-
-
-def rank_rows(ctx: Context, layout):
-    """Micro-batches of one-rank groups from [[lengths of group 0], [lengths of group 1], ...]
-    per micro-batch; sample ids in order of appearance."""
-    rows, ids = [], iter(range(1000))
-    for groups in layout:
-        row = []
-        for start, lengths in enumerate(groups):
-            items = [Item(next(ids), length, 1) for length in lengths]
-            row.append(group_of_items(Block(start, 1), items, ctx.cost))
-        rows.append(row)
-    return rows
 
 
 def peaks(rows):

@@ -6,12 +6,11 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduling_strategies import cases, scaled
+from scheduling_strategies import cases, rank_rows, scaled
 
 from megatron_dcp.scheduling import CostModel, Domain
 from megatron_dcp.scheduling.default_dynamic_cp import plan_rows
-from megatron_dcp.scheduling.domain import Block
-from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
+from megatron_dcp.scheduling.draft import Item, freeze_microbatch
 from megatron_dcp.scheduling.dynamic_cp_context import Context
 from megatron_dcp.scheduling.microbatch_forming import heaviest_first
 from megatron_dcp.scheduling.plan import Plan
@@ -25,23 +24,11 @@ def peaks(rows):
     return sum(max(group.load for group in row) for row in rows)
 
 
-def make_rows(ctx, layouts):
-    """Micro-batches of one-rank groups: [[lengths of rank 0, lengths of rank 1, ...], ...]."""
-    ids, rows = iter(range(1000)), []
-    for layout in layouts:
-        groups = []
-        for rank, lengths in enumerate(layout):
-            items = [Item(next(ids), n, 1) for n in lengths]
-            groups.append(group_of_items(Block(rank, 1), items, ctx.cost))
-        rows.append(groups)
-    return rows
-
-
 def test_the_long_samples_of_two_mixed_microbatches_end_up_together():
     """Two ranks, two micro-batches of one 90 and one 20 each: peaks 171 + 171. Formed again, the
     two 90s share one micro-batch (171) and the 20s the other (24)."""
     ctx = Context(Domain(2, 1, 100), QUADRATIC)
-    rows = make_rows(ctx, [[[90], [20]], [[90], [20]]])
+    rows = rank_rows(ctx, [[[90], [20]], [[90], [20]]])
     assert peaks(rows) == 342
     reform_pairs(ctx, rows)
     assert peaks(rows) == 195
@@ -53,7 +40,7 @@ def test_a_pair_formed_again_slightly_worse_is_not_taken():
     """The best two micro-batches of these five samples: 79 | 50 + 32 and 66 | 69 (258.02);
     formed again they would cost 258.65, within the promise of a polish but longer."""
     ctx = Context(Domain(2, 1, 100), QUADRATIC)
-    rows = make_rows(ctx, [[[79], [50, 32]], [[66], [69]]])
+    rows = rank_rows(ctx, [[[79], [50, 32]], [[66], [69]]])
     before = [[i.sample_id for g in row for i in g.items] for row in rows]
     assert round(peaks(rows), 2) == 258.02
     reform_pairs(ctx, rows)
