@@ -1,7 +1,8 @@
 """Hypothesis strategies and helpers shared by the property tests of the schedulers
-(``test_properties_*.py``) and the draft micro-batches of the row tests (``rank_rows``): domains of any size N = dp·cp in 1..64 (odd and non-powers of two
-included), power-of-two minimum CP sizes, VPP group sizes None or 1..4, budgets 1..4096, and
-lengths mixing tiny, typical and near-maximal (N·budget) sequences."""
+(``test_properties_*.py``) and the row tests (``rank_rows``: draft micro-batches): domains of
+any size N = dp·cp in 1..64 (odd and non-powers of two included), power-of-two minimum CP
+sizes, VPP group sizes None or 1..4, budgets 1..4096, and lengths mixing tiny, typical and
+near-maximal (N·budget) sequences."""
 
 from typing import Optional
 
