@@ -64,7 +64,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.balance import lpt_partition
 from megatron_dcp.scheduling.draft import SEQLEN, Item, freeze_microbatch, group_of_items
-from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
+from megatron_dcp.scheduling.dynamic_cp_context import Context, Row, peak
 from megatron_dcp.scheduling.lower_bound import batch_lower_bound
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.microbatch_forming import fill_level, heaviest_first, next_hdp_group
@@ -155,8 +155,7 @@ def plan_rank(ctx: Context, rows: Sequence[Row], bound: float) -> Tuple[int, flo
 
 def draft_critical_path(ctx: Context, rows: Sequence[Row]) -> float:
     """Σ over micro-batches of the most-loaded group's per-rank cost and the fixed cost."""
-    peaks = sum(max(group.load for group in row) for row in rows)
-    return peaks + ctx.cost.microbatch * len(rows)
+    return sum(map(peak, rows)) + ctx.cost.microbatch * len(rows)
 
 
 def aligned_plans(

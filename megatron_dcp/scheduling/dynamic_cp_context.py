@@ -17,6 +17,11 @@ EPS = 1e-9
 Row = List[GroupDraft]
 
 
+def peak(row: Row) -> float:
+    """A micro-batch's most-loaded group's per-rank cost: what it adds to the critical path."""
+    return max(group.load for group in row)
+
+
 class SizeCosts(dict):
     """Per-rank costs on CP groups of one size keyed by length, computed on first use (the hot
     path: one table per size, looked up by an int)."""

@@ -15,7 +15,7 @@ from bisect import insort
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import GroupDraft, Item
-from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
+from megatron_dcp.scheduling.dynamic_cp_context import Context, Row, peak
 
 # Only micro-batches of at most this many samples are tried (each sample scans every row).
 DISSOLVE_SAMPLES = 64
@@ -42,10 +42,6 @@ def dissolve_light_rows(ctx: Context, rows: List[Row], vpp: Optional[int] = None
         index, row, moves = history.pop()
         undo(moves)
         rows.insert(index, row)
-
-
-def peak(row: Row) -> float:
-    return max(group.load for group in row)
 
 
 def samples_of(row: Row) -> List[Item]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Set, Tuple
 
-from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
+from megatron_dcp.scheduling.dynamic_cp_context import Context, Row, peak
 from megatron_dcp.scheduling.microbatch_forming import heaviest_first, next_hdp_group
 from megatron_dcp.scheduling.row_polish import polish_row
 
@@ -86,7 +86,3 @@ def reformed(ctx: Context, first: Row, second: Row) -> Optional[List[Row]]:
     if peak(opened) + peak(closed) < before - MIN_GAIN * max(peak(first), peak(second)):
         return [opened, closed]
     return None
-
-
-def peak(row: Row) -> float:
-    return max(group.load for group in row)
