@@ -10,8 +10,9 @@ def install_upstream_api() -> List[str]:
     ``initialize_model_parallel(dynamic_context_parallel=True)``,
     ``get_dynamic_data_context_parallel_groups``, the ``dynamic_context_parallel`` config field)
     available on megatron-core 0.19.x, backed by megatron_dcp; see docs/rl.md. Call it
-    before megatron's model parallelism is initialised. Idempotent; returns the patch-table
-    entries this call applied."""
+    before megatron's model parallelism is initialised; it may be the process's first megatron
+    import (also on a CPU machine without triton). Idempotent; returns the patch-table entries
+    this call applied."""
     from megatron_dcp.integration.upstream import install_upstream_api as install
 
     return install()

@@ -6,6 +6,8 @@
 Everything is megatron's own ``pretrain`` loop (checkpointing, logging, optimizer, schedules);
 DCP adds its flags, a variable-length dataset, and replaces the forward-backward function with
 the DCP wrapper. Without CUDA the CPU backend is chosen automatically and says so once.
+A start-up error (a DCP flag, a model setting DCP refuses) is one line, ``error: ...``, printed
+by rank 0 before megatron's argument dump; the run exits with status 2 and no traceback.
 
 The scheduler plans with the trained model's cost model (its shape from the flags, on the
 backend's hardware profile; ``--dcp-cost-profile`` for a calibrated one), refined after every
@@ -14,7 +16,7 @@ step from the measured times unless ``--dcp-cost-adapt off``.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -29,6 +31,7 @@ import_megatron_core()
 
 from megatron.training.argument_utils import gpt_config_from_args  # noqa: E402
 
+from megatron_dcp.integration.config import DCPConfig  # noqa: E402
 from megatron_dcp.integration.cpu.attention import reference_layer_spec  # noqa: E402
 from megatron_dcp.integration.entry import (  # noqa: E402
     CPU_DEFAULTS,
@@ -36,6 +39,7 @@ from megatron_dcp.integration.entry import (  # noqa: E402
     datasets_provider,
     extra_args,
     parse_args,
+    start,
     train,
 )
 
@@ -49,14 +53,17 @@ def layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
     return default_layer_spec(config, vp_stage)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def prepare(argv: Optional[List[str]] = None) -> Tuple[Any, DCPConfig, Any]:
+    """The arguments, the DCP config and the GPT model config, every start-up check passed."""
     if ON_CPU:
         torch.set_num_threads(1)  # several ranks share the few cores
-    args = parse_args(argv)
-    config = check_args(args)
-    model_config = gpt_config_from_args(args)
+    args, config, model_config = start(argv, check_args, gpt_config_from_args)
     model_config.transformer_layer_spec = layer_spec
-    train(args, config, model_config)
+    return args, config, model_config
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    train(*prepare(argv))
 
 
 __all__ = [
@@ -66,6 +73,8 @@ __all__ = [
     "extra_args",
     "main",
     "parse_args",
+    "prepare",
+    "start",
 ]
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ with the reference attention and the reference Mamba kernels (docs/mamba.md).
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ from megatron.training.argument_utils import hybrid_config_from_args  # noqa: E4
 from megatron_dcp.integration.compat import check_mamba_cp  # noqa: E402
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
 from megatron_dcp.integration.cpu.hybrid import reference_hybrid_stack_spec  # noqa: E402
-from megatron_dcp.integration.entry import check_args, parse_args, train  # noqa: E402
+from megatron_dcp.integration.entry import check_args, start, train  # noqa: E402
 
 ENTRY = "pretrain_mamba"
 MAMBA = "M"
@@ -70,15 +70,18 @@ def plan_cp_sizes(args: argparse.Namespace, config: DCPConfig) -> tuple:
     return config.build_scheduler(domain_size).domain.group_sizes
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def prepare(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, DCPConfig, Any]:
+    """The arguments, the DCP config and the hybrid model config, every start-up check passed."""
     if ON_CPU:
         torch.set_num_threads(1)  # several ranks share the few cores
-    args = parse_args(argv)
-    config = check_hybrid_args(args)
-    model_config = hybrid_config_from_args(args)
+    args, config, model_config = start(argv, check_hybrid_args, hybrid_config_from_args)
     if ON_CPU or model_config.transformer.transformer_impl == "local":
         model_config.hybrid_stack_spec = reference_hybrid_stack_spec()
-    train(args, config, model_config)
+    return args, config, model_config
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    train(*prepare(argv))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from megatron_dcp.integration.nodes import RANKS_PER_NODE_FLAG, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
-from megatron_dcp.scheduling.domain import is_power_of_two
+from megatron_dcp.scheduling.domain import budget_multiple, is_power_of_two
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES
 from megatron_dcp.scheduling.topology import node_layout
@@ -82,7 +82,11 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Plan every global batch: one CP group per sequence, balanced THD micro-batches.",
     )
     group.add_argument(
-        MIN_CP_FLAG, type=int, default=1, help="Smallest CP group size DCP may use (power of 2)."
+        MIN_CP_FLAG,
+        type=int,
+        default=1,
+        metavar="S",
+        help="Smallest CP group size DCP may use (power of 2).",
     )
     group.add_argument(
         SCHEDULER_FLAG,
@@ -340,7 +344,7 @@ def check_budget(budget: Optional[int], tp_size: int, sequence_parallel: bool) -
     (every sequence is padded to a multiple of 2 × CP size, × TP size under sequence
     parallelism), so that a sequence of exactly CP size × budget tokens needs no padding beyond
     its group's budget."""
-    unit = 2 * (tp_size if sequence_parallel else 1)
+    unit = budget_multiple(tp_size, sequence_parallel)
     if not isinstance(budget, int) or budget <= 0 or budget % unit:
         raise ValueError(
             f"{BUDGET_FLAG}={budget!r}: {DCP_FLAG} needs a positive per-rank token budget that "

@@ -1,6 +1,7 @@
 """What the DCP training entry points share (``pretrain_gpt``, ``pretrain_mamba``): megatron's
-arguments with the DCP flags, the checks before the first step, the variable-length datasets,
-and the run itself on ``megatron.training.pretrain``.
+arguments with the DCP flags, the checks before the first step (run by :func:`start`, whose
+refusals are one line, ``integration.startup``), the variable-length datasets, and the run itself
+on ``megatron.training.pretrain``.
 
 An entry point enables the CPU backend (``patches.enable_cpu_training``) before it imports this
 module: megatron.training must see the stand-ins when it is first imported.
@@ -9,7 +10,7 @@ module: megatron.training must see the stand-ins when it is first imported.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from megatron.core.enums import ModelType
@@ -18,6 +19,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import print_rank_0, print_rank_last
 
+from megatron_dcp.integration.compat import check_model_config
 from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args
 from megatron_dcp.integration.cost_models import describe_cost
 from megatron_dcp.integration.cpu.training import cpu_notice
@@ -25,7 +27,8 @@ from megatron_dcp.integration.data.chat import chat_tokenizer, check_tokenizer_t
 from megatron_dcp.integration.data.datasets import build_varlen_datasets
 from megatron_dcp.integration.gpt_step import forward_step
 from megatron_dcp.integration.patches import apply_patches
-from megatron_dcp.integration.training import install_dcp_schedule
+from megatron_dcp.integration.startup import EntryParser, held_stdout, short_usage, startup_checks
+from megatron_dcp.integration.training import DCPSchedule, install_dcp_schedule
 
 
 def on_cpu() -> bool:
@@ -47,33 +50,40 @@ CPU_DEFAULTS = {
 
 def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentParser], Any]:
     """megatron's ``extra_args_provider``: the DCP flags, per-token loss on (DCP needs it), the
-    CPU defaults when CUDA is absent, and, when ``argv`` is given (tests, programmatic runs),
-    a parser that reads ``argv`` instead of ``sys.argv``."""
+    CPU defaults when CUDA is absent, and a parser that reads ``argv`` (default: the command
+    line) and answers a typo with the DCP flags' usage, not megatron's whole usage (a usage the
+    caller set on the parser wins)."""
 
-    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def provide(parser: argparse.ArgumentParser) -> EntryParser:
         add_dcp_args(parser)
         parser.set_defaults(calculate_per_token_loss=True, **(CPU_DEFAULTS if on_cpu() else {}))
-        return parser if argv is None else ArgvParser(parser, argv)
+        if parser.usage:
+            return EntryParser(parser, argv)
+        return EntryParser(parser, argv, usage=lambda: short_usage(parser.prog, add_dcp_args))
 
     return provide
-
-
-class ArgvParser:
-    """A parser whose ``parse_args`` / ``parse_known_args`` read a given argument list."""
-
-    def __init__(self, parser: argparse.ArgumentParser, argv: List[str]) -> None:
-        self.parser, self.argv = parser, list(argv)
-
-    def parse_args(self) -> argparse.Namespace:
-        return self.parser.parse_args(self.argv)
-
-    def parse_known_args(self) -> Any:
-        return self.parser.parse_known_args(self.argv)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """megatron's arguments plus the DCP flags; ``argv`` defaults to the command line."""
     return parse_and_validate_args(extra_args_provider=extra_args(argv))
+
+
+def start(
+    argv: Optional[List[str]],
+    check: Callable[[argparse.Namespace], DCPConfig],
+    model_config_of: Callable[[argparse.Namespace], Any],
+) -> Tuple[argparse.Namespace, DCPConfig, Any]:
+    """Parse the arguments and run every start-up check: ``check`` (the DCP flags) and
+    ``compat.check_model_config`` on the model config ``model_config_of`` builds. A refusal is
+    one line on rank 0, before megatron's argument dump (held back until the checks pass), and
+    exit status 2 without a traceback (``integration.startup``)."""
+    with startup_checks(), held_stdout():
+        args = parse_args(argv)
+        config = check(args)
+        model_config = model_config_of(args)
+        check_model_config(model_config.transformer)
+    return args, config, model_config
 
 
 def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConfig:
@@ -136,16 +146,24 @@ def datasets_provider(train_val_test_num_samples: List[int], vp_stage: Optional[
 datasets_provider.is_distributed = True
 
 
-def train(args: argparse.Namespace, config: DCPConfig, model_config: Any) -> None:
-    """megatron's ``pretrain`` of ``model_config`` under DCP, after :func:`check_args`."""
+def train(
+    args: argparse.Namespace,
+    config: DCPConfig,
+    model_config: Any,
+    datasets: Callable = datasets_provider,
+    schedule_class: type = DCPSchedule,
+) -> None:
+    """megatron's ``pretrain`` of ``model_config`` under DCP, after :func:`start`. ``datasets``
+    and ``schedule_class`` replace the dataset provider and the DCP schedule (the training
+    benchmark runs every global batch once per planner)."""
     if on_cpu():
         print_rank_0(cpu_notice())
     print_rank_0(describe_cost(config.cost_model))
     apply_patches()
-    install_dcp_schedule(config, log=print_rank_last)
+    install_dcp_schedule(config, log=print_rank_last, schedule_class=schedule_class)
     pretrain(
         pretrain_cfg_container_from_args(args, model_config),
-        datasets_provider,
+        datasets,
         ModelType.encoder_or_decoder,
         forward_step,
     )

@@ -6,6 +6,11 @@ megatron-core 0.19.2 imports ``megatron.core.transformer.moe.ops.paged_stash`` f
 fails even though nothing outside MoE paged stashing needs the kernels. When triton is missing we
 register a stand-in for exactly that one module; triton itself is never faked (a global fake breaks
 ``torch._inductor``).
+
+Every entry point that may be a process's first megatron import goes through here: the training
+entry points, the test fixtures, and the RL entry points (:func:`require_megatron_core`, called by
+``megatron_dcp.install_upstream_api()`` before it touches megatron, and so by
+``megatron_dcp.verl_plugin``).
 """
 
 from __future__ import annotations
@@ -45,3 +50,12 @@ def import_megatron_core() -> bool:
     except ImportError:
         return False
     return True
+
+
+def require_megatron_core(caller: str) -> None:
+    """:func:`import_megatron_core`, or an ``ImportError`` saying that ``caller`` needs it."""
+    if not import_megatron_core():
+        raise ImportError(
+            f"{caller} needs megatron-core 0.19.x, which cannot be imported here; install it as "
+            "README.md's set-up does (scripts/setup_env.sh)."
+        )

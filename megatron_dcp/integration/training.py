@@ -165,16 +165,19 @@ def gather_floats(values: Sequence[float], group: Any) -> List[float]:
     return [x for part in parts for x in part.cpu().tolist()]
 
 
-def install_dcp_schedule(config: DCPConfig, log: Callable[[str], None]) -> DCPSchedule:
-    """Make ``megatron.training``'s loops run one shared :class:`DCPSchedule` (through the
-    ``dcp_schedule`` entry of the patch table)."""
+def install_dcp_schedule(
+    config: DCPConfig, log: Callable[[str], None], schedule_class: type = DCPSchedule
+) -> DCPSchedule:
+    """Make ``megatron.training``'s loops run one shared :class:`DCPSchedule` (or a subclass,
+    ``schedule_class``: the training benchmark's) through the ``dcp_schedule`` entry of the
+    patch table."""
     from megatron.training import get_args
 
     def last_iteration() -> bool:
         args = get_args()
         return bool(args.train_iters) and args.curr_iteration + 1 >= args.train_iters
 
-    schedule = DCPSchedule(
+    schedule = schedule_class(
         config,
         log,
         iteration=lambda: get_args().curr_iteration + 1,

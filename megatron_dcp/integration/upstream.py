@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from megatron_dcp.integration.megatron_import import require_megatron_core
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.scheduling import Plan, build_scheduler
 from megatron_dcp.scheduling.errors import SchedulingError
@@ -150,7 +151,10 @@ def install_upstream_api() -> List[str]:
     """Make megatron-core dev's dynamic-CP names available (module docstring). Call it once per
     process before ``parallel_state.initialize_model_parallel``; idempotent. Returns the names
     of the patch-table entries this call applied ([] when all were applied already or native).
+    May be the process's first megatron import: megatron-core is imported through the package's
+    import path first (the CPU stand-in of its triton module where triton is missing).
     """
+    require_megatron_core(INSTALL)
     from megatron.core import parallel_state
 
     from megatron_dcp.integration.patches import apply_groups

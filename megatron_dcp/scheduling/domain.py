@@ -6,7 +6,7 @@ import operator
 from bisect import bisect_left
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, NamedTuple, Optional, Tuple
+from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.errors import SchedulingError
 
@@ -19,6 +19,29 @@ def is_power_of_two(value: int) -> bool:
 def largest_power_of_two_at_most(value: int) -> int:
     """The largest power of two that is ≤ ``value`` (``value`` ≥ 1)."""
     return 1 << (value.bit_length() - 1)
+
+
+def budget_multiple(tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """What a per-rank budget must be a multiple of for the training entry points: every
+    sequence is padded to a multiple of 2 × CP size (× TP size under sequence parallelism), so a
+    budget of this multiple lets a sequence of exactly CP size × budget tokens need no padding."""
+    return 2 * (tp_size if sequence_parallel else 1)
+
+
+def least_budget(seqlen: int, ranks: int, multiple: int = budget_multiple()) -> int:
+    """The smallest budget, a multiple of ``multiple``, with which ``ranks`` ranks hold a
+    sequence of ``seqlen`` tokens (the training entry points accept it as it is)."""
+    per_rank = max(1, -(-seqlen // ranks))
+    return -(-per_rank // multiple) * multiple
+
+
+def size_choices(largest: int) -> str:
+    """The powers of two from 1 to ``largest`` in words: "1", "1 or 2", "1, 2 or 4",
+    "1, 2, 4, ... up to 64"."""
+    sizes = [1 << k for k in range(largest.bit_length())]
+    if len(sizes) > 4:
+        return f"1, 2, 4, ... up to {largest}"
+    return " or ".join(filter(None, [", ".join(map(str, sizes[:-1])), str(sizes[-1])]))
 
 
 class Block(NamedTuple):
@@ -68,12 +91,12 @@ class Domain:
         if not is_power_of_two(self.min_cp_size) or self.min_cp_size > self.size:
             raise SchedulingError(
                 "{min_cp_size}={value!r}: must be a power of two between 1 and the DP×CP domain "
-                "size {size} (dp {dp} × cp {cp}); use 1, 2, 4, ... up to {largest}.",
+                "size {size} (dp {dp} × cp {cp}); use {choices}.",
                 value=self.min_cp_size,
                 size=self.size,
                 dp=self.dp_size,
                 cp=self.cp_size,
-                largest=largest_power_of_two_at_most(self.size),
+                choices=size_choices(largest_power_of_two_at_most(self.size)),
             )
 
     @property
@@ -125,19 +148,32 @@ class Domain:
             raise self.too_long_error(seqlen)
         return self.group_sizes[index]
 
-    def too_long_error(self, seqlen: int, sample_id: Optional[int] = None) -> SchedulingError:
+    def too_long_error(
+        self, seqlen: int, sample_id: Optional[int] = None, too_long: int = 1
+    ) -> SchedulingError:
+        """A sequence of ``seqlen`` tokens does not fit the whole domain: the budget that holds
+        it (give the longest sequence of the input, so that the hint holds for every one, and
+        ``too_long``, how many do not fit)."""
         which = f"sample {sample_id} has" if sample_id is not None else "a sequence has"
+        others = f"; it is the longest of {too_long} that do not fit" if too_long > 1 else ""
         return SchedulingError(
             "{budget}={value}: {which} {seqlen} tokens, more than the whole DP×CP domain can hold "
-            "({size} ranks × {value} = {capacity}). Raise {budget} to at least {least}, use more "
-            "DP×CP ranks, or use {max_seqlen}.",
+            "({size} ranks × {value} = {capacity}{others}). Raise {budget} to at least {least}, "
+            "use more DP×CP ranks, or use {max_seqlen}.",
+            others=others,
             value=self.budget,
             which=which,
             seqlen=seqlen,
             size=self.size,
             capacity=self.max_tokens_per_sequence,
-            least=-(-seqlen // self.size),
+            least=least_budget(seqlen, self.size),
         )
+
+    def longest_too_long_error(self, seqlens: Sequence[int]) -> SchedulingError:
+        """:meth:`too_long_error` for the longest of ``seqlens`` (which has one too long)."""
+        sample_id = max(range(len(seqlens)), key=seqlens.__getitem__)
+        too_long = sum(seqlen > self.max_tokens_per_sequence for seqlen in seqlens)
+        return self.too_long_error(seqlens[sample_id], sample_id, too_long)
 
     def root(self) -> Block:
         return Block(0, self.size)
@@ -160,13 +196,15 @@ class Domain:
         return tuple(parts)
 
     def check_seqlens(self, seqlens: Iterable[int]) -> Tuple[int, ...]:
-        """Validate user lengths: non-negative ints that fit the domain. Returns them as a tuple."""
+        """Validate user lengths: non-negative ints that fit the domain. Returns them as a tuple.
+        A length that does not fit is reported by the longest one, so that the budget the error
+        asks for holds every length."""
         lengths = tuple(seqlens)
-        if set(map(type, lengths)) <= {int} and (
-            not lengths or 0 <= min(lengths) and max(lengths) <= self.max_tokens_per_sequence
-        ):
-            return lengths  # plain ints in range (the common case, checked at C speed)
-        return self._check_each(lengths)
+        if not (set(map(type, lengths)) <= {int} and (not lengths or 0 <= min(lengths))):
+            lengths = self._check_each(lengths)  # plain ints (the common case) skip this loop
+        if lengths and max(lengths) > self.max_tokens_per_sequence:
+            raise self.longest_too_long_error(lengths)
+        return lengths
 
     def _check_each(self, seqlens: Tuple) -> Tuple[int, ...]:
         """:meth:`check_seqlens` one length at a time: converts integer types, names the first
@@ -184,7 +222,5 @@ class Domain:
                     sample_id=sample_id,
                     seqlen=seqlen,
                 )
-            if value > self.max_tokens_per_sequence:
-                raise self.too_long_error(value, sample_id)
             lengths.append(value)
         return tuple(lengths)

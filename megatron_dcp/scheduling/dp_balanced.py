@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partition
-from megatron_dcp.scheduling.domain import Block
+from megatron_dcp.scheduling.domain import Block, least_budget
 from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import MicroBatch
@@ -55,18 +55,22 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
         return self.cost_model.per_rank(item.seqlen, self.domain.cp_size)
 
     def _check_fits(self, items: Sequence[Item]) -> None:
+        """Every sample fits static CP; otherwise the error names the longest and the budget
+        that holds it."""
         limit = self.domain.cp_size * self.domain.budget
-        for item in items:
-            if item.seqlen > limit:
-                raise SchedulingError(
-                    "{budget}={value}: sample {sample_id} has {seqlen} tokens, more than static "
-                    "CP{cp} holds ({limit}); raise {budget} or use {scheduler} default_dynamic_cp.",
-                    value=self.domain.budget,
-                    sample_id=item.sample_id,
-                    seqlen=item.seqlen,
-                    cp=self.domain.cp_size,
-                    limit=limit,
-                )
+        longest = max(items, key=lambda item: item.seqlen)
+        if longest.seqlen > limit:
+            raise SchedulingError(
+                "{budget}={value}: sample {sample_id} has {seqlen} tokens, the longest, more than "
+                "static CP{cp} holds ({limit}); raise {budget} to at least {least} or use "
+                "{scheduler} default_dynamic_cp.",
+                value=self.domain.budget,
+                sample_id=longest.sample_id,
+                seqlen=longest.seqlen,
+                cp=self.domain.cp_size,
+                limit=limit,
+                least=least_budget(longest.seqlen, self.domain.cp_size),
+            )
 
     def _microbatch(self, bins: Sequence[Sequence[Item]]) -> MicroBatch:
         cp = self.domain.cp_size

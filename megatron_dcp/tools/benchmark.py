@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_dcp.integration.data.lengths import sample_lengths
 from megatron_dcp.scheduling import CostModel, build_cost_model
 from megatron_dcp.scheduling.cost import COST_MODELS
-from megatron_dcp.tools.cli import positive_int
+from megatron_dcp.tools.cli import positive_int, training_budget
 from megatron_dcp.tools.compare import (
     DEV_PEER_ALIAS,
     PEER_ALIAS,
@@ -27,6 +27,7 @@ from megatron_dcp.tools.compare import (
     DomainSpec,
     chosen_costs,
     evaluate,
+    na_reasons,
     render_table,
     run_scheduler,
 )
@@ -175,7 +176,9 @@ def format_matrix(label: str, table: Sequence[Comparison]) -> str:
         else "no case with both plans"
     )
     title = f"== cost model '{label}': CP/LB = critical path / lower bound, (mb) = micro-batches"
-    return "\n".join([title, render_table(header, rows, "llrrrrr"), summary])
+    labels = ("ours", "dev", "0.19.2")
+    reasons = na_reasons([(c.title, list(zip(labels, c.results))) for c in table])
+    return "\n".join([title, render_table(header, rows, "llrrrrr"), *reasons, summary])
 
 
 @dataclass(frozen=True)
@@ -335,7 +338,7 @@ def add_benchmark(sub: Any) -> None:
     )
     p.add_argument(
         "--budget",
-        type=positive_int,
+        type=training_budget,
         action="append",
         metavar="TOKENS",
         help=f"per-rank budgets (repeatable; default {' '.join(map(str, DEFAULT_BUDGETS))})",
@@ -348,7 +351,7 @@ def add_benchmark(sub: Any) -> None:
         help="VPP micro-batch group sizes, 1 = no VPP (repeatable; default 1 2 4)",
     )
     add_ranks_per_node_arg(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the length sampler (default 0)")
     p.add_argument("--quick", action="store_true", help="plan-time runs at N=64 only")
     p.add_argument(
         "--max-timing-n",

@@ -141,10 +141,37 @@ def run_plan(
     try:
         plan, elapsed = timed_schedule(build(), lengths)
     except ValueError as error:
-        return SchedulerResult(name, note=error_message(error))
+        return SchedulerResult(name, note=without_prefix(error_message(error), name))
     plan_report = report(name, plan, cost, elapsed)
     drawn = plan_panel(plan, cost, plan_report) if panel else None
     return SchedulerResult(name, plan_report, panel=drawn)
+
+
+def without_prefix(note: str, name: str) -> str:
+    """``note`` without a leading ``"{name}: "`` (the peers name themselves in their errors)."""
+    return note[len(name) + 2 :] if note.startswith(f"{name}: ") else note
+
+
+def shortened(note: str, limit: int = 160) -> str:
+    """``note`` cut to at most ``limit`` characters at a word boundary, marked with '…'."""
+    if len(note) <= limit:
+        return note
+    return note[: note.rfind(" ", 0, limit - 1)].rstrip(" ,;:") + " …"
+
+
+def na_reasons(cases: Sequence[Tuple[str, Sequence[Tuple[str, "SchedulerResult"]]]]) -> List[str]:
+    """One line per reason a cell of a table is n/a: ``cases`` are (row title, [(column label,
+    result)]); the rows that share a column and a reason share a line."""
+    rows: Dict[Tuple[str, str, bool], List[str]] = {}
+    for title, columns in cases:
+        for label, result in columns:
+            if result.report is None:
+                key = (label, shortened(result.note), result.omitted)
+                rows.setdefault(key, []).append(title)
+    return [
+        f"{'note' if omitted else 'n/a '}  {label} in {', '.join(titles)}: {note}"
+        for (label, note, omitted), titles in rows.items()
+    ]
 
 
 def run_peer(

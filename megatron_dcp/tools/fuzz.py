@@ -347,15 +347,20 @@ def _worker(args: Tuple[int, int, int, Tuple[str, ...], int]) -> FuzzResult:
     return run_fuzz(cases, seed, schedulers, first_case=first, progress=progress)
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def fuzz_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m megatron_dcp.tools.fuzz``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", type=int, default=1000, help="random cases (default 1000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the case generator")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (cases split evenly)")
-    parser.add_argument("--schedulers", nargs="+", default=["default_dynamic_cp", "dp_balanced"])
+    names = ["default_dynamic_cp", "dp_balanced"]
+    parser.add_argument("--schedulers", nargs="+", default=names, help="schedulers to check")
     parser.add_argument("--progress", type=int, default=0, help="log every this many cases")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    return fuzz_parser().parse_args(argv)
 
 
 def run_jobs(cases: int, seed: int, jobs: int, names: Tuple[str, ...], every: int) -> FuzzResult:

@@ -13,8 +13,10 @@ from megatron_dcp.tools.cli import positive_int
 def add_fuzz(sub: Any) -> None:
     """The ``fuzz`` subcommand."""
     p = sub.add_parser("fuzz", help="check plan invariants on random inputs")
-    p.add_argument("--cases", type=positive_int, default=100_000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cases", type=positive_int, default=100_000, help="random cases to plan (default 100000)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the case generator (default 0)")
     p.add_argument("--show", type=int, default=20, help="violations to print")
     p.set_defaults(func=cmd_fuzz)
 

@@ -68,8 +68,43 @@ def parse_log(text: str) -> RunLog:
     return log
 
 
+# A line that states an error: ``SomeError: ...``, ``Exception: ...`` (a traceback's last line),
+# or argparse's ``prog: error: ...``; after the ``[rank3]:`` prefix torchrun adds.
+ERROR_LINE = re.compile(
+    r"^(?:\[(?:rank|default)\d+\]:\s*)?"
+    r"((?:[\w.]+\.)?\w*(?:Error|Exception)(?::.*)?|\S.*?\berror: .*)$"
+)
+# torchrun's own summary of a failed rank: never the cause.
+TORCHRUN_SUMMARY = "ChildFailedError"
+TAIL_LINES = 40
+
+
 class TrainingRunError(RuntimeError):
-    """The training job exited with an error; the message holds the tail of its output."""
+    """The training job exited with an error; the message holds the last error line of its
+    output and the file that holds all of it (or, without either, the tail of its output)."""
+
+
+def last_error_line(text: str) -> Optional[str]:
+    """The last line of ``text`` that states an error (without torchrun's rank prefix), leaving
+    out torchrun's summary; None when there is none."""
+    for line in reversed(text.splitlines()):
+        match = ERROR_LINE.match(line.strip())
+        if match and TORCHRUN_SUMMARY not in line:
+            return match.group(1).strip()
+    return None
+
+
+def failure_message(what: str, text: str, log_path: Optional[Path] = None) -> str:
+    """Why a run failed: the last error line of its output and the log that holds all of it;
+    the tail of the output when there is no such line or no log to read."""
+    cause = last_error_line(text)
+    tail = "\n".join(text.splitlines()[-TAIL_LINES:])
+    if cause is None:
+        where = f" (all of it in {log_path})" if log_path is not None else ""
+        return f"{what}; the last {TAIL_LINES} lines of its output{where}:\n{tail}"
+    if log_path is None:
+        return f"{what}: {cause}\nthe last {TAIL_LINES} lines of its output:\n{tail}"
+    return f"{what}: {cause}\n(the last error line of {log_path}, which holds the run's output)"
 
 
 def run_pretrain(
@@ -96,8 +131,8 @@ def run_pretrain(
     if log_path is not None:
         log_path.write_text(done.stdout)
     if done.returncode != 0:
-        tail = "\n".join(done.stdout.splitlines()[-40:])
-        raise TrainingRunError(f"training exited with {done.returncode}:\n{tail}")
+        what = f"training exited with {done.returncode}"
+        raise TrainingRunError(failure_message(what, done.stdout, log_path))
     return parse_log(done.stdout)
 
 
@@ -165,11 +200,14 @@ def run_agents(
         for agent in agents:
             if agent.poll() is None:
                 kill_tree(agent.pid)
-    text = "\n".join((log_dir / f"agent{i}.log").read_text() for i in range(nnodes))
+    logs = [log_dir / f"agent{i}.log" for i in range(nnodes)]
+    texts = [log.read_text() for log in logs]
     if any(codes):
-        tail = "\n".join(text.splitlines()[-40:])
-        raise TrainingRunError(f"agents exited with {codes}:\n{tail}")
-    return parse_log(text)
+        stated = [i for i, text in enumerate(texts) if last_error_line(text)]
+        first = (stated or [i for i, code in enumerate(codes) if code])[0]
+        what = f"agents exited with {codes}"
+        raise TrainingRunError(failure_message(what, texts[first], logs[first]))
+    return parse_log("\n".join(texts))
 
 
 def kill_tree(pid: int) -> None:

@@ -6,7 +6,8 @@ for the SFT quick-start and tests (nothing is downloaded, nothing large enters t
 writes ``DIR/conversations.jsonl`` (megatron's ``{"messages": [...]}`` records) and
 ``DIR/tokenizer/`` (a byte-level BPE saved as a HuggingFace fast tokenizer with a ChatML chat
 template), usable as ``--sft-data DIR/conversations.jsonl --tokenizer-type HuggingFaceTokenizer
---tokenizer-model DIR/tokenizer``.
+--tokenizer-model DIR/tokenizer``, and prints those flags and a short DCP training command on 2
+CPU ranks that runs as printed (:func:`training_command`).
 
 The text is learnable: words follow a seeded Markov chain (each word's successor with
 probability 0.8), and an answer continues the chain from the question's last word. Lengths are
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
@@ -130,15 +133,85 @@ def write_sft_corpus(out: Path, count: int = 2000, seed: int = 0) -> Dict[str, P
     return {"corpus": corpus, "tokenizer": write_tokenizer(out / "tokenizer", corpus)}
 
 
+# The tiny model of the training command ``sft-corpus`` prints: DCP over 2 CPU ranks (CP2), a
+# few iterations, so that the printed line runs as printed in about a minute.
+TRAINING_RANKS = 2
+TRAINING_FLAGS: Tuple[Tuple[str, ...], ...] = (
+    ("--dynamic-context-parallel",),
+    ("--context-parallel-size", "2"),
+    ("--max-seqlen-per-dp-cp-rank", "256"),
+    ("--seq-length", "512"),
+    ("--max-position-embeddings", "512"),
+    ("--num-layers", "2"),
+    ("--hidden-size", "32"),
+    ("--num-attention-heads", "4"),
+    ("--micro-batch-size", "1"),
+    ("--global-batch-size", "8"),
+    ("--train-iters", "4"),
+    ("--lr", "1e-2"),
+    ("--eval-iters", "0"),
+    ("--eval-interval", "1000"),
+    ("--log-interval", "1"),
+)
+
+
+def data_flags(paths: Dict[str, Path]) -> List[str]:
+    """The flags that train on the corpus with its tokenizer."""
+    return [
+        "--sft-data",
+        str(Path(paths["corpus"]).resolve()),
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(Path(paths["tokenizer"]).resolve()),
+    ]
+
+
+def training_command(paths: Dict[str, Path]) -> List[str]:
+    """A short DCP training run on the corpus: torchrun (this Python's) on 2 CPU ranks running
+    ``megatron_dcp.pretrain_gpt`` with a tiny model."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)]
+    if not torchrun.exists():
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
+    model = [part for flag in TRAINING_FLAGS for part in flag]
+    return [
+        *launcher,
+        f"--nproc-per-node={TRAINING_RANKS}",
+        "--standalone",
+        "-m",
+        "megatron_dcp.pretrain_gpt",
+        *model,
+        *data_flags(paths),
+    ]
+
+
 def add_sft_corpus(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("sft-corpus", help="Write a generated SFT corpus and its tokenizer.")
     parser.add_argument("--out", type=Path, required=True, help="Output directory.")
-    parser.add_argument("--conversations", type=positive_int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--conversations",
+        type=positive_int,
+        default=2000,
+        metavar="N",
+        help="records to write (default 2000; each holds 1 to 6 user turns)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the word chain and the lengths (the same seed writes the same corpus)",
+    )
     parser.set_defaults(func=cmd_sft_corpus)
 
 
 def cmd_sft_corpus(args: argparse.Namespace) -> int:
     paths = write_sft_corpus(args.out, args.conversations, args.seed)
-    print(f"--sft-data {paths['corpus']} --tokenizer-model {paths['tokenizer']}")
+    print(
+        f"wrote {args.conversations} conversations to {paths['corpus']} and their tokenizer to "
+        f"{paths['tokenizer']}"
+    )
+    print(f"data flags: {shlex.join(data_flags(paths))}")
+    print(f"a short DCP training run on {TRAINING_RANKS} CPU ranks (runs as printed):")
+    print(f"  {shlex.join(training_command(paths))}")
     return 0

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any, List, Optional
 
 from megatron_dcp.integration.data.lengths import sample_lengths
 from megatron_dcp.scheduling import SCHEDULERS
 from megatron_dcp.scheduling.cost import COST_MODELS
-from megatron_dcp.tools.cli import positive_int, power_of_two
+from megatron_dcp.scheduling.domain import least_budget
+from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.tools.cli import positive_int, power_of_two, training_budget
 from megatron_dcp.tools.compare import (
     DEV_PEER_ALIAS,
     PEER_ALIAS,
@@ -30,6 +33,9 @@ from megatron_dcp.tools.workloads import (
     reference_workload,
     summarize,
 )
+
+# The budget hint of a batch that grows with the budget: at most this many re-draws.
+MAX_BUDGET_ROUNDS = 32
 
 
 def scheduler_names(requested: Optional[List[str]], no_peer: bool) -> List[str]:
@@ -61,6 +67,37 @@ def simulate_lengths(args: argparse.Namespace, spec: DomainSpec, workload: Workl
     return sample_lengths(dist, args.seed, total_tokens=total)
 
 
+def batch_grows_with_budget(args: argparse.Namespace) -> bool:
+    """True when the lengths are drawn until 8 × N × budget tokens: a larger budget draws more."""
+    return not (args.lengths or args.num_sequences or args.tokens_per_global_batch)
+
+
+def check_lengths_fit(
+    args: argparse.Namespace, spec: DomainSpec, workload: Workload, lengths: List[int]
+) -> None:
+    """Every length fits the whole domain; otherwise one error (instead of an n/a row per
+    scheduler) asking for the budget that holds the longest. When the batch grows with the
+    budget, the budget asked for is one whose own, larger batch fits too."""
+    domain = spec.domain()
+    if max(lengths, default=0) <= domain.max_tokens_per_sequence:
+        return
+    error = domain.longest_too_long_error(lengths)
+    if not batch_grows_with_budget(args):
+        raise error
+    least, drawn = error.values["least"], max(lengths)
+    for _ in range(MAX_BUDGET_ROUNDS):
+        drawn = max(simulate_lengths(args, replace(spec, budget=least), workload))
+        if least_budget(drawn, domain.size) <= least:
+            break
+        least = least_budget(drawn, domain.size)
+    raise SchedulingError(
+        error.template + " A larger budget draws a larger batch (8 × N × budget tokens, unless "
+        "--tokens-per-global-batch or --num-sequences fixes it); at {least} its longest, "
+        "{drawn} tokens, fits.",
+        **{**error.values, "least": least, "drawn": drawn},
+    )
+
+
 def simulate_title(args: argparse.Namespace, workload: Workload) -> str:
     """Where the lengths came from."""
     if args.lengths:
@@ -84,6 +121,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = domain_spec(args, workload)
     spec.domain()  # validate the domain before sampling
     lengths = simulate_lengths(args, spec, workload)
+    check_lengths_fit(args, spec, workload, lengths)
     names = scheduler_names(args.scheduler, args.no_peer)
     title = simulate_title(args, workload)
     cost = chosen_costs([args.cost_model], args.cost_profile)[0]
@@ -107,9 +145,10 @@ def add_domain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp-size", type=positive_int, metavar="N", help="context-parallel size")
     parser.add_argument(
         "--max-seqlen-per-dp-cp-rank",
-        type=positive_int,
+        type=training_budget,
         metavar="TOKENS",
-        help="per-rank token budget of a micro-batch",
+        help="per-rank token budget of a micro-batch (a multiple of 2, as training needs; "
+        "default: the --workload's)",
     )
     parser.add_argument(
         "--min-cp-size", type=power_of_two, default=1, metavar="N", help="smallest CP group size"

@@ -147,10 +147,10 @@ def too_long_error() -> SchedulingError:
 def test_one_scheduling_error_worded_for_each_layer():
     error = too_long_error()
     assert str(error).startswith("budget=8: sample 1 has 100 tokens")
-    assert "Raise budget to at least 25" in str(error) and "--" not in str(error)
+    assert "Raise budget to at least 26" in str(error) and "--" not in str(error)
     training = str(flag_error(error))
     assert training.startswith("--max-seqlen-per-dp-cp-rank=8: sample 1 has 100 tokens")
-    assert "Raise --max-seqlen-per-dp-cp-rank to at least 25" in training
+    assert "Raise --max-seqlen-per-dp-cp-rank to at least 26" in training
     assert "a smaller --seq-length" in training
     assert error_message(error).startswith("--max-seqlen-per-dp-cp-rank=8: sample 1")
 
@@ -164,3 +164,24 @@ def test_config_errors_name_the_training_flag():
         DCPConfig(max_seqlen_per_dp_cp_rank=8, cp_size=3, scheduler="dp_balanced").build_scheduler(
             6
         )
+
+
+@pytest.mark.parametrize(
+    "min_cp_size,domain_size,choices",
+    [
+        (2, 1, "use 1."),
+        (4, 2, "use 1 or 2."),
+        (8, 4, "use 1, 2 or 4."),
+        (16, 12, "use 1, 2, 4 or 8."),
+        (128, 64, "use 1, 2, 4, ... up to 64."),
+    ],
+)
+def test_a_too_large_min_cp_size_lists_exactly_the_sizes_the_domain_admits(
+    min_cp_size, domain_size, choices
+):
+    """"use 1, 2, 4, ... up to N" only when the list is long; "use 1 or 2" on a domain of 2."""
+    with pytest.raises(ValueError) as info:
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, min_cp_size=min_cp_size).build_scheduler(
+            domain_size
+        )
+    assert str(info.value).endswith(f"size {domain_size} (dp {domain_size} × cp 1); {choices}")

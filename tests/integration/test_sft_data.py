@@ -220,6 +220,32 @@ def test_skip_invalid_counts_what_it_skips(chat, tmp_path, capsys):
     assert f"the first: {path}:2: not valid JSON" in out
 
 
+UNFINISHED = '{"messages": [{"role": "user", "content": "hi"}]'  # no closing brace
+NO_COMMA = '{"messages": [{"role": "user" "content": "hi"}]}'
+CONTENT = NO_COMMA.index('"content"')
+
+
+@pytest.mark.parametrize(
+    "line, place",
+    [
+        (UNFINISHED, f"column {len(UNFINISHED) + 1} (the end of the line))"),
+        (NO_COMMA, f"column {CONTENT + 1})"),
+    ],
+)
+def test_a_json_error_gives_the_column_it_is_at(chat, tmp_path, line, place):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [Q1, A1]}, line])
+    with pytest.raises(ValueError) as error:
+        datasets(chat, path, counts=(1, 0, 0))
+    assert f"{path}:2: not valid JSON (Expecting ',' delimiter, {place}" in str(error.value)
+
+
+def test_a_json_array_error_gives_the_line_and_column(chat, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(f"[\n  {json.dumps({'messages': [Q1, A1]})},\n  {NO_COMMA}\n]\n")
+    with pytest.raises(ValueError, match=rf"{path}:3: not valid JSON \(.*, column {CONTENT + 3}\)"):
+        datasets(chat, str(path), counts=(1, 0, 0))
+
+
 def test_no_assistant_turn_is_accepted_with_loss_on_prompt(chat, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [SYSTEM, Q1]}])
     train, _, _ = datasets(chat, path, counts=(1, 0, 0), loss_on_prompt=True)

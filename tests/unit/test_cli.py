@@ -1,5 +1,6 @@
 """The ``megatron-dcp`` CLI (simulate, benchmark, fuzz), the plot and the megatron-core peer."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -75,22 +76,11 @@ def test_simulate_lengths_file_and_na_row(tmp_path, capsys):
 
 def test_simulate_fails_when_no_scheduler_can_plan(tmp_path, capsys):
     path = tmp_path / "lengths.txt"
-    path.write_text("5000\n")
-    code, out, _ = run(
-        capsys,
-        [
-            "simulate",
-            "--lengths",
-            str(path),
-            "--dp-size",
-            "1",
-            "--cp-size",
-            "2",
-            "--max-seqlen-per-dp-cp-rank",
-            "512",
-        ],
-    )
-    assert code == 2 and "n/a" in out
+    path.write_text("100\n")
+    argv = ["simulate", "--lengths", str(path), "--dp-size", "1", "--cp-size", "2"]
+    argv += ["--max-seqlen-per-dp-cp-rank", "512", "--microbatch-group-size-per-vp-stage", "2"]
+    code, out, _ = run(capsys, [*argv, "--no-peer"])
+    assert code == 2 and out.count("n/a") == 3
 
 
 def test_bad_distribution_names_the_flag(capsys):
@@ -282,3 +272,31 @@ def test_scheduling_imports_neither_matplotlib_nor_megatron():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def parsers_of(parser):
+    """``parser`` and every subcommand parser below it."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += parsers_of(sub)
+    return found
+
+
+def test_every_flag_of_every_subcommand_has_help():
+    from megatron_dcp.tools import calibrate, fuzz, quickstart
+
+    parsers = [*parsers_of(cli.build_parser()), quickstart.build_parser()]
+    parsers += [calibrate.calibration_parser(), fuzz.fuzz_parser()]
+    names = {p.prog.split()[-1] for p in parsers}
+    assert names >= {"simulate", "benchmark", "fuzz", "calibrate", "sft-corpus"}
+    assert "megatron_dcp.tools.quickstart" in names
+    missing = [
+        f"{p.prog}: {'/'.join(action.option_strings) or action.dest}"
+        for p in parsers
+        for action in p._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        and not (action.help and action.help.strip())
+    ]
+    assert missing == []

@@ -60,14 +60,24 @@ class ConversationFile:
             return self.values[index]
         with open(self.path, "rb") as handle:
             handle.seek(int(self.offsets[index]))
-            text = handle.readline()
+            line = handle.readline()
         try:
-            return json.loads(text)
+            return json.loads(line.decode("utf-8").rstrip())
+        except UnicodeDecodeError as error:
+            raise self.error(index, f"not UTF-8 text (byte {error.start + 1})") from None
         except json.JSONDecodeError as error:
-            raise self.error(index, f"not valid JSON ({error.msg}, column {error.colno})")
+            raise self.error(index, f"not valid JSON ({json_error_place(error)})") from None
 
     def error(self, index: int, reason: str) -> ConversationError:
         return ConversationError(self.path, int(self.lines[index]), reason)
+
+
+def json_error_place(error: json.JSONDecodeError) -> str:
+    """The decoder's message and the column it stopped at, on the line the error is on (the
+    line's trailing newline is not parsed, so an unfinished record ends on its own line)."""
+    line_end = error.doc.find("\n", error.pos)
+    at_end = not error.doc[error.pos : None if line_end < 0 else line_end].strip()
+    return f"{error.msg}, column {error.colno}{' (the end of the line)' if at_end else ''}"
 
 
 def split_paths(sft_data: Any) -> List[str]:
@@ -127,7 +137,8 @@ def _scan_array(path: str) -> ConversationFile:
         try:
             value, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as error:
-            raise ConversationError(path, error.lineno, f"not valid JSON ({error.msg})") from None
+            reason = f"not valid JSON ({json_error_place(error)})"
+            raise ConversationError(path, error.lineno, reason) from None
         values.append(value)
         lines.append(line)
         position = _skip_space(text, position)

@@ -1,0 +1,168 @@
+"""Start-up errors of ``megatron_dcp.pretrain_gpt`` as a user sees them (issue 29): a refused DCP
+setting is one line from rank 0, before megatron's argument dump, the last line the worker
+prints, with no traceback; a typo in a flag or a choice prints argparse's one line with "did you
+mean" and the DCP flags' usage, not megatron's 1,500 lines."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.tools.launcher import flag_list, worker_env
+
+pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+
+ARGUMENT_DUMP = "------------------------ arguments"
+# A tiny model; each run below is refused before it is built.
+TINY = {
+    "--dynamic-context-parallel": True,
+    "--max-seqlen-per-dp-cp-rank": 128,
+    "--num-layers": 1,
+    "--hidden-size": 32,
+    "--num-attention-heads": 4,
+    "--seq-length": 128,
+    "--max-position-embeddings": 256,
+    "--micro-batch-size": 1,
+    "--global-batch-size": 2,
+    "--train-iters": 1,
+    "--lr": 1e-3,
+    "--tokenizer-type": "NullTokenizer",
+    "--vocab-size": 128,
+}
+TOO_LARGE_MIN_CP = (
+    "error: --min-dynamic-context-parallel-size=4: must be a power of two between 1 and the "
+    "DP×CP domain size 2 (dp 1 × cp 2); use 1 or 2."
+)
+
+
+def worker_files(log_dir: Path) -> dict:
+    """(local rank, "stdout" | "stderr") -> what that worker printed (torchrun --redirects 3)."""
+    files = {}
+    for path in log_dir.glob("*/attempt_0/*/std*.log"):
+        files[int(path.parent.name), path.stem] = path.read_text()
+    return files
+
+
+def test_a_refused_dcp_flag_is_one_line_from_rank_0_without_traceback(tmp_path):
+    """torchrun, 2 ranks, --min-dynamic-context-parallel-size larger than the DP×CP domain: rank 0
+    prints the cause and nothing else, rank 1 prints nothing, no worker prints a traceback or
+    megatron's argument dump; torchrun reports rank 0's exit status 2."""
+    flags = {**TINY, "--context-parallel-size": 2, "--min-dynamic-context-parallel-size": 4}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += [f"--log-dir={tmp_path / 'logs'}", "--redirects=3"]
+    command += ["-m", "megatron_dcp.pretrain_gpt", *flag_list(flags)]
+    done = subprocess.run(
+        command, env=worker_env(), capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode != 0
+    files = worker_files(tmp_path / "logs")
+    assert sorted(files) == [(0, "stderr"), (0, "stdout"), (1, "stderr"), (1, "stdout")]
+    everything = "".join(files.values())
+    assert "Traceback" not in everything
+    assert ARGUMENT_DUMP not in everything
+    assert everything.count("--min-dynamic-context-parallel-size=4") == 1
+    # Nothing on rank 0's stdout: the last line of its stderr is the last line it printed.
+    assert files[0, "stdout"] == "" and files[0, "stderr"].splitlines() == [TOO_LARGE_MIN_CP]
+    assert files[1, "stdout"] == files[1, "stderr"] == ""
+    assert "exitcode  : 2" in done.stdout + done.stderr
+
+
+def test_a_refused_model_setting_is_the_last_line_before_megatron_prints_anything(tmp_path):
+    """One process (no launcher: stdout and stderr in one pipe, in the order they were written):
+    a model setting DCP refuses (compat.check_model_config) stops start-up before megatron's
+    argument dump and before the model is built, as the only line."""
+    flags = {**TINY, "--recompute-granularity": "selective", "--recompute-modules": "mlp"}
+    command = [sys.executable, "-m", "megatron_dcp.pretrain_gpt", *flag_list(flags)]
+    done = subprocess.run(
+        command,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 2
+    assert "Traceback" not in done.stdout and ARGUMENT_DUMP not in done.stdout
+    assert lines[-1].startswith("error: --dynamic-context-parallel with --recompute-modules mlp")
+    assert lines == lines[-1:]
+
+
+@pytest.fixture(scope="module")
+def pretrain_gpt():
+    from megatron_dcp import pretrain_gpt
+
+    return pretrain_gpt
+
+
+def start_with(pretrain_gpt, *flags: str) -> int:
+    """The status the entry point's start-up exits with for ``flags`` (after TINY's)."""
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.start(
+            [*flag_list(TINY), *flags], pretrain_gpt.check_args, pretrain_gpt.gpt_config_from_args
+        )
+    return exit_.value.code
+
+
+@pytest.mark.parametrize(
+    "flags,error",
+    [
+        (
+            ["--sequence-packing-scheduler", "defualt_dynamic_cp"],
+            "invalid choice: 'defualt_dynamic_cp' (choose from 'default_dynamic_cp', "
+            "'dp_balanced'); did you mean 'default_dynamic_cp'?",
+        ),
+        (["--dcp-hardware-profile", "h100"], "did you mean 'h100-nvlink'?"),
+        (["--dcp-prefetch", "yes"], "invalid choice: 'yes' (choose from 'on', 'off')"),
+        (
+            ["--sequence-packing-schedular", "dp_balanced"],
+            "unrecognized arguments: --sequence-packing-schedular dp_balanced; did you mean "
+            "--sequence-packing-scheduler?",
+        ),
+        (["--transformer-impl", "locl"], "did you mean 'local'?"),  # one of megatron's flags
+    ],
+)
+def test_b_a_typo_is_one_error_line_after_the_dcp_flags_usage(pretrain_gpt, capsys, flags, error):
+    assert start_with(pretrain_gpt, *flags) == 2
+    printed = capsys.readouterr()
+    lines = printed.err.splitlines()
+    assert printed.out == "" and len(lines) < 40
+    assert lines[0].startswith("usage: ") and "--sequence-packing-scheduler" in printed.err
+    assert lines[-1].endswith(error) and ": error: " in lines[-1]
+    assert error.endswith("?") or "did you mean" not in lines[-1]
+
+
+def test_b_only_rank_0_prints_a_typo(pretrain_gpt, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr("megatron_dcp.integration.startup.RANK0_GRACE_S", 0.0)
+    assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100") == 2
+    assert capsys.readouterr() == ("", "")
+
+
+def test_help_lists_every_flag_despite_megatrons_percent_sign(pretrain_gpt, capsys):
+    """megatron-core 0.19.2's --help fails on a help text with a bare "%"; ours prints it."""
+    assert start_with(pretrain_gpt, "--help") == 0
+    out = capsys.readouterr().out
+    assert "(e.g. 1.10 = 10%)" in out and "--dcp-cost-adapt" in out and "--num-layers" in out
+
+
+def test_held_output_is_shown_when_start_up_passes_and_dropped_when_refused(capfd):
+    from megatron_dcp.integration.startup import held_stdout, startup_checks
+
+    with held_stdout():
+        print("the argument dump")
+    with pytest.raises(AssertionError), held_stdout():
+        print("megatron's own refusal keeps what came before it")
+        raise AssertionError
+    with pytest.raises(SystemExit) as exit_, startup_checks(), held_stdout():
+        print("the argument dump of a refused run")
+        raise ValueError("--flag=1: the cause")
+    printed = capfd.readouterr()
+    assert printed.out.splitlines() == [
+        "the argument dump",
+        "megatron's own refusal keeps what came before it",
+    ]
+    assert printed.err == "error: --flag=1: the cause\n" and exit_.value.code == 2
