@@ -56,6 +56,10 @@ ranks once no rank is free, and counts samples it knows would miss without tryin
 heap of groups per CP size: O(K · T · n log N) for K micro-batches, T ≤ ``TRIALS`` trials and n
 samples. Every step takes the shared
 ``dynamic_cp_context.Context`` (domain, cost model, memoised costs).
+
+Last, the static-CP plan of the same lengths (``dp_balanced`` at the configured CP size, where it
+can run them) competes under the same cost model and is returned when its critical path is
+shorter: turning DCP on never plans a longer step than static CP would.
 """
 
 from __future__ import annotations
@@ -63,12 +67,15 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.balance import lpt_partition
+from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.draft import SEQLEN, Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.dynamic_cp_context import Context, Row, peak
 from megatron_dcp.scheduling.lower_bound import batch_lower_bound
 from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.microbatch_forming import fill_level, heaviest_first, next_hdp_group
-from megatron_dcp.scheduling.plan import MicroBatch
+from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.metrics import critical_path
+from megatron_dcp.scheduling.plan import MicroBatch, Plan
 from megatron_dcp.scheduling.registry import Scheduler
 from megatron_dcp.scheduling.row_dissolving import dissolve_light_rows
 from megatron_dcp.scheduling.row_exchange import exchange_between_rows
@@ -106,7 +113,37 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
             blind = Context(self.domain, self.cost_model.with_nodes(None))
             other = repriced(ctx, searched_plan(blind, items, vpp))
             best = min((best, other), key=lambda rows: draft_critical_path(ctx, rows))
-        return [freeze_microbatch(row) for row in best]
+        planned = [freeze_microbatch(row) for row in best]
+        static = self.static_plan(seqlens)
+        if static is not None and self.path(seqlens, static) < self.path(seqlens, planned):
+            return static
+        return planned
+
+    def static_plan(self, seqlens: tuple) -> Optional[List[MicroBatch]]:
+        """The static-CP plan (``dp_balanced``) of these lengths, or None where static CP cannot
+        run them: DCP competes with it under the same cost model and never plans longer.
+        Batches with empty samples keep DCP's plan (static bins may hold only empty samples,
+        idle ranks that DCP's plans never have)."""
+        domain = self.domain
+        if 0 in seqlens:
+            return None
+        try:
+            static = DPBalancedScheduler(
+                domain.dp_size,
+                domain.cp_size,
+                domain.budget,
+                domain.min_cp_size,
+                self.microbatch_group_size_per_vp_stage,
+                self.cost_model,
+            )
+            return static._schedule(seqlens)
+        except SchedulingError:
+            return None
+
+    def path(self, seqlens: tuple, microbatches: Sequence[MicroBatch]) -> float:
+        """The critical path of ``microbatches`` under this scheduler's cost model."""
+        plan = Plan(seqlens, self.domain, tuple(microbatches), self.microbatch_group_size_per_vp_stage)
+        return critical_path(plan, self.cost_model)
 
 
 def searched_plan(ctx: Context, items: Sequence[Item], vpp: Optional[int]) -> List[Row]:

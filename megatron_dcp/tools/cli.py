@@ -1,9 +1,11 @@
 """``megatron-dcp`` command line: simulate schedulers on a workload, run the reference benchmark,
 fuzz the plan invariants, calibrate the cost model on the real backend, write a generated
-SFT corpus. ``main(argv)`` returns
+SFT corpus, time real training steps of several planners side by side (``bench-train``).
+``main(argv)`` returns
 the exit code (0 ok, 1 fuzz violations or a failed calibration, 2 bad input).
 
-One module per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``, ``sft_corpus``), each with its ``add_*`` parser
+One module per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``, ``sft_corpus``,
+``bench_train.command``), each with its ``add_*`` parser
 function and ``cmd_*``; this module assembles the parser and holds what they share: the argument
 types and the wording of scheduling errors in the simulator's flags.
 """
@@ -14,6 +16,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from megatron_dcp.scheduling.domain import budget_multiple
 from megatron_dcp.scheduling.errors import SchedulingError
 
 # The simulator's flags for the scheduling parameters its errors name.
@@ -55,9 +58,25 @@ def power_of_two(text: str) -> int:
     return value
 
 
+def training_budget(text: str) -> int:
+    """argparse type: a per-rank token budget that training accepts (pretrain_gpt and the RL
+    adapter refuse one that is not a multiple of :func:`budget_multiple`)."""
+    value = positive_int(text)
+    multiple = budget_multiple()
+    if value % multiple:
+        below, above = value - value % multiple, value - value % multiple + multiple
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a multiple of {multiple}: training (pretrain_gpt, the RL adapter) "
+            f"refuses it, as every sequence is padded to {multiple} × CP size; use "
+            + (f"{below} or {above}" if below else f"{above}")
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``megatron-dcp`` argument parser with its subcommands."""
     # Imported here: the subcommand modules import this module's argument types and wording.
+    from megatron_dcp.tools.bench_train.command import add_bench_train
     from megatron_dcp.tools.benchmark import add_benchmark
     from megatron_dcp.tools.calibrate import add_calibrate
     from megatron_dcp.tools.fuzz_command import add_fuzz
@@ -75,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fuzz(sub)
     add_calibrate(sub)
     add_sft_corpus(sub)
+    add_bench_train(sub)
     return parser
 
 

@@ -1,0 +1,189 @@
+"""What each rank of a ``bench-train`` run executes: the training entry point (pretrain_gpt or
+pretrain_mamba, megatron's own loop) with three changes that make its arms comparable.
+
+- **Every global batch n times.** The training dataset is wrapped so that its global batch
+  ``b`` is read ``n`` times in a row (n arms): iteration ``t`` reads batch ``(t − 1) // n``.
+- **One arm per iteration.** The DCP wrapper's scheduler is an :class:`~.arms.ArmRotation`: each
+  batch is planned by every arm under the run's cost model and run with the arm whose turn it
+  is. Rank 0 writes every batch's plans (``plans.jsonl``).
+- **Digests.** Each rank hashes the samples it reads, one digest per global batch read
+  (``digests/rank<r>.txt``): the command checks that every arm of a batch saw the same samples.
+
+The command passes its settings in the environment (:data:`SPEC_VARIABLE`, JSON): megatron's
+parser sees only megatron's and the DCP flags. ``perturb_arm`` (tests only) changes one token of
+every sample that arm reads, so that the digest check can be seen to fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+SPEC_VARIABLE = "MEGATRON_DCP_BENCH"
+PLANS_FILE = "plans.jsonl"
+DIGEST_DIR = "digests"
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """The command's settings for its workers."""
+
+    arms: Sequence[str]
+    out: str
+    entry: str = "pretrain_gpt"
+    perturb_arm: Optional[str] = None
+
+    def to_env(self) -> str:
+        return json.dumps({**self.__dict__, "arms": list(self.arms)})
+
+    @classmethod
+    def from_env(cls) -> "BenchSpec":
+        return cls(**json.loads(os.environ[SPEC_VARIABLE]))
+
+
+class RepeatedBatches:
+    """A training dataset whose global batches (``global_batch`` consecutive samples) each come
+    ``len(arms)`` times in a row; the copy an arm reads may be perturbed (``perturb_arm``)."""
+
+    def __init__(
+        self, dataset: Any, global_batch: int, arms: Sequence[str], perturb_arm: Optional[str]
+    ) -> None:
+        self.dataset, self.global_batch = dataset, global_batch
+        self.arms, self.perturb_arm = tuple(arms), perturb_arm
+
+    def __len__(self) -> int:
+        return len(self.dataset) * len(self.arms)
+
+    def __getitem__(self, index: int) -> Any:
+        from megatron_dcp.tools.bench_train.arms import arm_at
+
+        served, within = divmod(index, self.global_batch)
+        batch, arm = arm_at(served + 1, self.arms)
+        sample = self.dataset[batch * self.global_batch + within]
+        return perturbed(sample) if arm == self.perturb_arm else sample
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)  # sequence_length and the like
+
+
+def perturbed(sample: dict) -> dict:
+    tokens = sample["tokens"].clone()
+    tokens.reshape(-1)[0] += 1
+    return {**sample, "tokens": tokens}
+
+
+def repeated_provider(provider: Callable, spec: BenchSpec, global_batch: int) -> Callable:
+    """``provider`` (megatron's dataset provider) with its training set wrapped in
+    :class:`RepeatedBatches`: it builds ``1 / n`` of the samples megatron asks for."""
+    n = len(spec.arms)
+
+    def provide(num_samples: List[int], vp_stage: Optional[int] = None) -> Any:
+        train, valid, test = provider([num_samples[0] // n, *num_samples[1:]], vp_stage)
+        return RepeatedBatches(train, global_batch, spec.arms, spec.perturb_arm), valid, test
+
+    provide.is_distributed = getattr(provider, "is_distributed", False)
+    return provide
+
+
+class DigestingIterator:
+    """Passes the samples of ``inner`` through, hashing them ``per_batch`` at a time; each
+    finished batch's digest is appended to ``path`` as ``index digest``."""
+
+    def __init__(self, inner: Iterator[Any], per_batch: int, path: Path) -> None:
+        self.inner, self.per_batch, self.path = inner, per_batch, path
+        self.hasher, self.seen, self.batches = hashlib.sha256(), 0, 0
+
+    def __iter__(self) -> "DigestingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        from megatron_dcp.integration.schedule import SAMPLE_KEYS, as_sample
+
+        item = next(self.inner)
+        sample = as_sample(item)
+        for key in SAMPLE_KEYS:
+            self.hasher.update(sample[key].numpy().tobytes())
+        self.seen += 1
+        if self.seen == self.per_batch:
+            with open(self.path, "a") as out:
+                out.write(f"{self.batches} {self.hasher.hexdigest()}\n")
+            self.hasher, self.seen, self.batches = hashlib.sha256(), 0, self.batches + 1
+        return item
+
+
+def bench_schedule_class(spec: BenchSpec) -> type:
+    """The DCP schedule of a benchmark run (built after megatron is importable)."""
+    import torch.distributed as dist
+
+    from megatron_dcp.integration.training import DCPSchedule
+    from megatron_dcp.tools.bench_train.arms import ArmRotation, as_record
+
+    class BenchSchedule(DCPSchedule):
+        """:class:`DCPSchedule` with the arms' scheduler and the digesting data iterator."""
+
+        digests: Optional[DigestingIterator] = None
+
+        def __call__(self, **kwargs: Any) -> Any:
+            if not kwargs.get("forward_only", False):
+                kwargs["data_iterator"] = self.digesting(kwargs["data_iterator"], kwargs)
+            return super().__call__(**kwargs)
+
+        def build(self, model: Any) -> Any:
+            wrapper = super().build(model)
+            base = wrapper.scheduler
+            wrapper.scheduler = ArmRotation(
+                spec.arms,
+                record=self.record_plans,
+                dp_size=base.domain.dp_size,
+                cp_size=base.domain.cp_size,
+                max_seqlen_per_dp_cp_rank=base.domain.max_seqlen_per_dp_cp_rank,
+                min_cp_size=base.domain.min_cp_size,
+                microbatch_group_size_per_vp_stage=base.microbatch_group_size_per_vp_stage,
+                cost_model=base.cost_model,
+            )
+            return wrapper
+
+        def digesting(self, data_iterator: Any, kwargs: dict) -> Any:
+            first = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+            if self.digests is None or self.digests.inner is not first:
+                per_batch = kwargs["num_microbatches"] * kwargs.get("micro_batch_size", 1)
+                path = Path(spec.out) / DIGEST_DIR / f"rank{dist.get_rank()}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.digests = DigestingIterator(first, per_batch, path)
+            if isinstance(data_iterator, list):
+                return [self.digests, *data_iterator[1:]]
+            return self.digests
+
+        def record_plans(self, batch: int, figures: Sequence[Any]) -> None:
+            if dist.get_rank() == 0:
+                with open(Path(spec.out) / PLANS_FILE, "a") as out:
+                    out.write(json.dumps(as_record(batch, figures)) + "\n")
+
+    return BenchSchedule
+
+
+def main() -> None:
+    """Run the entry point named by the spec with the benchmark's dataset and schedule."""
+    import importlib
+
+    spec = BenchSpec.from_env()
+    args, config, model_config = importlib.import_module(f"megatron_dcp.{spec.entry}").prepare()
+    from megatron_dcp.integration.entry import datasets_provider, train
+
+    train(
+        args,
+        config,
+        model_config,
+        datasets=repeated_provider(datasets_provider, spec, args.global_batch_size),
+        schedule_class=bench_schedule_class(spec),
+    )
+
+
+if __name__ == "__main__":
+    main()
