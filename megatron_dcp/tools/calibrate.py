@@ -48,6 +48,7 @@ from megatron_dcp.scheduling.cost_fit import (
     save_profile,
 )
 from megatron_dcp.tools.calibration_worker import Point, TimingJob, measure
+from megatron_dcp.tools.launcher import available_cores
 from megatron_dcp.tools.cli import positive_int
 
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
@@ -56,13 +57,6 @@ DEFAULT_REPEATS = 3
 DEFAULT_HOLD_OUT = 0.25
 PROG = "megatron-dcp calibrate"
 USAGE = f"{PROG} --output PROFILE.json [calibration flags] (megatron's model flags)"
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity where the OS reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def int_list(text: str) -> Tuple[int, ...]:

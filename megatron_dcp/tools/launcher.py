@@ -136,6 +136,13 @@ def run_pretrain(
     return parse_log(done.stdout)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def worker_env() -> Dict[str, str]:
     """The environment of a training job: one thread per rank, warnings off."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -1,13 +1,14 @@
-"""Plan pictures: one panel per scheduler, ranks across, micro-batches down, one outlined box per
-CP group, coloured by its per-rank load relative to the slowest rank of its micro-batch (1 = on the
-critical path, darker = idle for that fraction of the micro-batch), on one shared colour scale.
+"""Plan pictures: one panel per scheduler, the DP×CP positions across (a position's TP ranks
+share its column), micro-batches down, one outlined box per CP group, coloured by its per-rank
+load relative to the slowest rank of its micro-batch (1 = on the critical path, darker = idle for
+that fraction of the micro-batch), on one colour scale shared by the panels that spans every cell.
 matplotlib (Agg) is an optional extra (``pip install 'megatron-dcp[plot]'``), imported only when
 drawing; without it, asking for a picture is a one-line error that says what to install."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.metrics import rank_loads
@@ -17,8 +18,10 @@ from megatron_dcp.tools.simulator import Report
 _PANEL_WIDTH_IN = 5.0
 _MIN_LABEL_WIDTH_IN = 0.32
 _CMAP = "viridis"
-# Colour scale of load / slowest rank: what matters is 0.5–1 (below 0.5 is drawn darkest).
+# Colour scale of load / slowest rank: what matters is 0.5–1, so the scale starts at 0.5 at the
+# latest; it starts lower when a cell is lower (no cell is clipped to the end of the scale).
 _VMIN = 0.5
+POSITION_AXIS = "DP×CP position (DP-major, CP inner; a position's TP ranks share its column)"
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,25 @@ def _draw_cell(ax: Any, cell: Cell, row: int, colour: Sequence[float], label: bo
         )
 
 
-def _draw_row(ax: Any, row: Sequence[Cell], index: int, cmap: Any, min_label: float) -> None:
-    """One micro-batch; loads are normalised to its slowest rank."""
+def row_fractions(row: Sequence[Cell]) -> List[float]:
+    """Each cell's per-rank load over the slowest rank of its row (all 0 in an idle row)."""
     slowest = max((cell.load for cell in row), default=0.0)
-    for cell in row:
-        fraction = cell.load / slowest if slowest else 0.0
-        colour = cmap(max(0.0, (fraction - _VMIN) / (1.0 - _VMIN)))
-        _draw_cell(ax, cell, index, colour, cell.width >= min_label)
+    return [cell.load / slowest if slowest else 0.0 for cell in row]
+
+
+def colour_range(panels: Sequence[Panel]) -> Tuple[float, float]:
+    """``(vmin, vmax)`` of the colour scale shared by ``panels``: from the smallest cell value (or
+    :data:`_VMIN`, whichever is lower) to the largest (1 unless every row is idle), so that every
+    cell of every panel lies on the scale and none is clipped to one of its ends."""
+    values = [value for panel in panels for row in panel.rows for value in row_fractions(row)]
+    high = max(values, default=0.0) or 1.0
+    return min([_VMIN, *values]), high
+
+
+def _draw_row(ax: Any, row: Sequence[Cell], index: int, colour_of: Any, min_label: float) -> None:
+    """One micro-batch; loads are normalised to its slowest rank."""
+    for cell, fraction in zip(row, row_fractions(row)):
+        _draw_cell(ax, cell, index, colour_of(fraction), cell.width >= min_label)
 
 
 def _set_axes(ax: Any, panel: Panel) -> None:
@@ -98,15 +113,15 @@ def _set_axes(ax: Any, panel: Panel) -> None:
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.tick_params(labelsize=7, length=2)
     ax.set_title(panel.title, fontsize=9)
-    ax.set_xlabel("rank position (DP-major, CP inner)", fontsize=8)
+    ax.set_xlabel(POSITION_AXIS, fontsize=8)
     ax.set_ylabel(panel.row_label, fontsize=8)
 
 
-def _draw_panel(ax: Any, panel: Panel, cmap: Any) -> None:
+def _draw_panel(ax: Any, panel: Panel, colour_of: Any) -> None:
     min_label = panel.domain_size * _MIN_LABEL_WIDTH_IN / _PANEL_WIDTH_IN
     min_label = min_label if len(panel.rows) <= 60 else float("inf")
     for index, row in enumerate(panel.rows):
-        _draw_row(ax, row, index, cmap, min_label)
+        _draw_row(ax, row, index, colour_of, min_label)
     _set_axes(ax, panel)
 
 
@@ -135,13 +150,12 @@ def plot_panels(panels: Sequence[Panel], path: str, suptitle: str = "") -> None:
 
     if not panels:
         raise ValueError("--plot: no scheduler produced a plan, nothing to draw.")
-    cmap = plt.get_cmap(_CMAP)
+    scale = ScalarMappable(Normalize(*colour_range(panels)), plt.get_cmap(_CMAP))
     width = _PANEL_WIDTH_IN * len(panels) + 1.2
     fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        _draw_panel(ax, panel, cmap)
-    scale = ScalarMappable(Normalize(_VMIN, 1.0), cmap)
-    bar = fig.colorbar(scale, ax=list(axes[0]), fraction=0.025, extend="min")
+        _draw_panel(ax, panel, scale.to_rgba)
+    bar = fig.colorbar(scale, ax=list(axes[0]), fraction=0.025)
     bar.set_label("per-rank load / slowest rank of the row (numbers: CP size)", fontsize=8)
     if suptitle:
         fig.suptitle(suptitle, fontsize=10, y=1.04)

@@ -9,11 +9,14 @@ the assistant's tokens in the loss.
 
 Prints the per-iteration loss of both runs (they must agree: DCP changes speed, never math, with
 dropout off as here; with dropout each token's mask depends on where it lands in its rank's
-pack), the micro-batch counts, CP-size histograms, per-rank load imbalance and throughput, and
-writes the plans of the first iteration as a picture, re-planned with the cost model the runs
-planned iteration 1 with (the model flags' shape on their hardware profile; the online
-refinement only changes the plans of later iterations). A failed run is reported by the last
-error line of its log (``<out>/<scheduler>.log``), which the message names.
+pack), the micro-batch counts, CP-size histograms, the busiest position's forward-backward time
+(measured, and predicted by the cost model that planned the step), each plan's critical path over
+the lower bound under the prior cost model and throughput, and writes the plans of the first
+iteration as a picture. The plans are re-made from the same batches with the cost model the runs
+planned iteration 1 with (the model flags' shape on their hardware profile); the online
+refinement may change the plans of later iterations, and a row whose re-made plan differs from
+the one a run executed is marked. A failed run is reported by the last error line of its log
+(``<out>/<scheduler>.log``), which the message names.
 """
 
 from __future__ import annotations
@@ -22,11 +25,19 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from megatron_dcp.scheduling import CostModel, Plan, build_scheduler
+from megatron_dcp.scheduling.metrics import critical_path, lower_bound
+from megatron_dcp.tools.launcher import available_cores
 from megatron_dcp.tools.cli import positive_int
-from megatron_dcp.tools.launcher import RunLog, TrainingRunError, flag_list, run_pretrain
+from megatron_dcp.tools.launcher import (
+    DCPFigures,
+    RunLog,
+    TrainingRunError,
+    flag_list,
+    run_pretrain,
+)
 from megatron_dcp.tools.plot import require_matplotlib
 
 NPROC, TP, CP = 8, 2, 4
@@ -95,42 +106,94 @@ def histogram(sizes: Dict[int, int]) -> str:
     return " ".join(f"{size}:{count}" for size, count in sorted(sizes.items()))
 
 
-def comparison(static: RunLog, dcp: RunLog) -> List[str]:
+# The plans of each iteration (index 0 = iteration 1), by scheduler, re-made under the prior.
+Replanned = List[Dict[str, Plan]]
+REPLANNED_MARK = "*"
+
+
+def ran_as_replanned(figures: DCPFigures, plan: Plan) -> bool:
+    """Whether the run's ``[DCP]`` line describes ``plan`` (micro-batches and CP sizes)."""
+    return (figures.microbatches, figures.cp_sizes) == (
+        plan.num_microbatches,
+        plan.cp_size_histogram(),
+    )
+
+
+def ratio_to_bound(plan: Plan, cost: CostModel) -> float:
+    """Critical path over the lower bound of ``plan`` under ``cost`` (1: no plan is shorter)."""
+    return critical_path(plan, cost) / lower_bound(plan, cost)
+
+
+def pair(static: float, dcp: float, digits: int, width: int) -> str:
+    return f"{static:>{width}.{digits}f}/{dcp:<{width}.{digits}f}"
+
+
+def comparison(static: RunLog, dcp: RunLog, plans: Replanned, cost: CostModel) -> List[str]:
+    """The table: per iteration both runs' losses, micro-batches, CP sizes, the busiest
+    position's fwd-bwd time (measured, predicted), CP/LB of the re-made plans and tokens/s."""
     header = (
         f"{'iter':>4}  {'loss static':>11}  {'loss DCP':>11}  {'rel diff':>8}  {'mb s/d':>6}  "
-        f"{'CP sizes (size:seqs) static -> DCP':<36}  {'imbalance s/d':>13}  {'tok/s s/d':>11}"
+        f"{'CP sizes (size:seqs) static -> DCP':<36}  {'fwd-bwd ms s/d':>15}  "
+        f"{'pred. ms s/d':>15}  {'CP/LB prior s/d':>16}  {'tok/s s/d':>11}"
     )
     rows = [header]
     for it in sorted(dcp.losses):
         s, d = static.dcp[it], dcp.dcp[it]
+        made = plans[it - 1]
+        ratios = [ratio_to_bound(made[name], cost) for name in SCHEDULERS]
+        same = ran_as_replanned(s, made[SCHEDULERS[0]]) and ran_as_replanned(d, made[SCHEDULERS[1]])
         diff = abs(static.losses[it] - dcp.losses[it]) / abs(static.losses[it])
         sizes = f"{histogram(s.cp_sizes)} -> {histogram(d.cp_sizes)}"
         rows.append(
             f"{it:>4}  {static.losses[it]:>11.6f}  {dcp.losses[it]:>11.6f}  {diff:>8.1e}  "
             f"{s.microbatches:>2}/{d.microbatches:<3}  {sizes:<36}  "
-            f"{s.measured_imbalance:>6.3f}/{d.measured_imbalance:<6.3f}  "
+            f"{pair(s.measured_step_ms, d.measured_step_ms, 1, 7)}  "
+            f"{pair(s.predicted_step_ms, d.predicted_step_ms, 1, 7)}  "
+            f"{ratios[0]:>7.3f}/{f'{ratios[1]:.3f}' + ('' if same else REPLANNED_MARK):<8}  "
             f"{s.tokens_per_s:>5}/{d.tokens_per_s:<5}"
         )
     return rows
 
 
-def first_batch_lengths(model: Dict[str, object]) -> List[int]:
-    """Lengths of iteration 1's global batch in the order the runs planned it (one DP rank:
-    megatron's sampler hands out samples 0 .. global batch size − 1 in order)."""
+def table_notes(cores: int) -> List[str]:
+    """What the table's time and CP/LB columns are, and why its times are not a benchmark."""
+    share = (
+        f"{NPROC} ranks share {cores} cores here"
+        if cores < NPROC
+        else f"each run is timed once, unpaired, on {NPROC} ranks"
+    )
+    return [
+        "fwd-bwd ms: the busiest DP×CP position's forward-backward time, measured and as "
+        "predicted by the cost model that planned the step (refined online after each step)",
+        "CP/LB prior: critical path / lower bound of the iteration's plans re-made under the "
+        "prior cost model (the one iteration 1 is planned with; 1 = no plan is shorter); the "
+        "runs refine their model online, so from iteration 2 on a run's plan may differ from the "
+        f"re-made one: marked {REPLANNED_MARK}",
+        f"{share}, so the times and tokens/s time the operating system's scheduler as much as "
+        "the plans; for a fair measurement (one rank per core, the same batches under each "
+        "scheduler, paired intervals) run `megatron-dcp bench-train` (docs/performance.md)",
+    ]
+
+
+def batch_lengths(model: Dict[str, object], iters: int) -> List[List[int]]:
+    """Lengths of each iteration's global batch in the order the runs planned it: the dataset of
+    ``iters`` × G samples (G the global batch size) that training builds, of which megatron's
+    sampler hands the one DP rank samples (i − 1)·G .. i·G − 1 at iteration i, in order."""
     from megatron_dcp.integration.data.chat import chat_tokenizer_from_dir
     from megatron_dcp.integration.data.datasets import build_varlen_datasets
 
-    sft = "--sft-data" in model
+    sft, size = "--sft-data" in model, int(model["--global-batch-size"])
     train_ds, _, _ = build_varlen_datasets(
         seq_length=int(model["--seq-length"]),
         vocab_size=int(model.get("--vocab-size", 0)),
         seed=int(model["--seed"]),
-        num_samples=[int(model["--global-batch-size"]), 0, 0],
+        num_samples=[size * iters, 0, 0],
         distribution=model.get("--varlen-distribution"),
         sft_data=model.get("--sft-data"),
         chat=chat_tokenizer_from_dir(str(model["--tokenizer-model"])) if sft else None,
     )
-    return [train_ds.sequence_length(i) for i in range(len(train_ds))]
+    lengths = [train_ds.sequence_length(i) for i in range(size * iters)]
+    return [lengths[i * size : (i + 1) * size] for i in range(iters)]
 
 
 def run_cost_model(model: Dict[str, object]) -> CostModel:
@@ -159,10 +222,10 @@ def tokenizer_vocabulary(model: Dict[str, object]) -> int:
     return len(chat_tokenizer_from_dir(str(model["--tokenizer-model"])).tokenizer)
 
 
-def first_plans(model: Dict[str, object], lengths: Sequence[int]) -> Dict[str, Plan]:
-    """Iteration 1 planned by both schedulers as the runs planned it (with the runs' cost
-    model)."""
-    cost = run_cost_model(model)
+def plans_of(
+    model: Dict[str, object], cost: CostModel, lengths: Sequence[int]
+) -> Dict[str, Plan]:
+    """One global batch planned by both schedulers under ``cost`` over the runs' domain."""
     plans = {}
     for name in SCHEDULERS:
         scheduler = build_scheduler(
@@ -176,17 +239,29 @@ def first_plans(model: Dict[str, object], lengths: Sequence[int]) -> Dict[str, P
     return plans
 
 
-def plot_first_plans(model: Dict[str, object], path: Path) -> Dict[str, int]:
-    """Plan iteration 1 with both schedulers (as the runs did) and draw them side by side."""
+def first_plans(model: Dict[str, object], lengths: Sequence[int]) -> Dict[str, Plan]:
+    """Iteration 1 planned by both schedulers as the runs planned it (with the runs' cost
+    model)."""
+    return plans_of(model, run_cost_model(model), lengths)
+
+
+def replan(model: Dict[str, object], iters: int) -> Tuple[CostModel, Replanned]:
+    """The prior cost model of the runs, and every iteration's batch planned under it."""
+    cost = run_cost_model(model)
+    return cost, [plans_of(model, cost, lengths) for lengths in batch_lengths(model, iters)]
+
+
+def plot_first_plans(plans: Dict[str, Plan], cost: CostModel, path: Path) -> None:
+    """Draw iteration 1's plans (as the runs made them) side by side."""
     from megatron_dcp.tools.plot import plan_panel, plot_panels
     from megatron_dcp.tools.simulator import report
 
-    cost, panels = run_cost_model(model), []
-    plans = first_plans(model, first_batch_lengths(model))
-    for name, plan in plans.items():
-        panels.append(plan_panel(plan, cost, report(name, plan, cost)))
-    plot_panels(panels, str(path), suptitle="iteration 1: static CP (left) and DCP (right)")
-    return {name: plan.num_microbatches for name, plan in plans.items()}
+    panels = [plan_panel(plan, cost, report(name, plan, cost)) for name, plan in plans.items()]
+    title = (
+        f"iteration 1: static CP (left) and DCP (right) over the {NPROC // TP} DP×CP positions "
+        f"(the {TP} TP ranks of a position share its column)"
+    )
+    plot_panels(panels, str(path), suptitle=title)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,12 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingRunError as error:
         print(f"quickstart: error: {error}", file=sys.stderr)
         return 1
-    print("\n".join(["", *comparison(static, dcp), ""]))
-    counts = plot_first_plans(model, args.out / "plan_iteration1.png")
-    assert counts == {
-        "dp_balanced": static.dcp[1].microbatches,
-        "default_dynamic_cp": dcp.dcp[1].microbatches,
-    }, "replanned plan differs"
+    cost, plans = replan(model, args.iters)
+    table = comparison(static, dcp, plans, cost)
+    print("\n".join(["", *table, *table_notes(available_cores()), ""]))
+    iteration1 = plans[0]
+    assert ran_as_replanned(static.dcp[1], iteration1[SCHEDULERS[0]]) and ran_as_replanned(
+        dcp.dcp[1], iteration1[SCHEDULERS[1]]
+    ), "the re-made plan of iteration 1 differs from the one the runs executed"
+    plot_first_plans(iteration1, cost, args.out / "plan_iteration1.png")
     agree = all(
         abs(static.losses[i] - dcp.losses[i]) <= LOSS_RTOL * abs(static.losses[i])
         for i in dcp.losses

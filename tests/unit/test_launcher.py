@@ -111,8 +111,11 @@ def test_quickstart_says_why_dropout_is_off(monkeypatch, capsys, tmp_path):
         return RunLog(losses={1: 4.0, 2: 3.0}, dcp={1: figures, 2: figures})
 
     quiet_quickstart(monkeypatch, trained)
-    monkeypatch.setattr(quickstart, "plot_first_plans", lambda model, path: dict.fromkeys(
-        quickstart.SCHEDULERS, 3))
+    made = dict.fromkeys(quickstart.SCHEDULERS)
+    monkeypatch.setattr(quickstart, "replan", lambda model, iters: (None, [made] * iters))
+    monkeypatch.setattr(quickstart, "ran_as_replanned", lambda figures, plan: True)
+    monkeypatch.setattr(quickstart, "ratio_to_bound", lambda plan, cost: 1.0)
+    monkeypatch.setattr(quickstart, "plot_first_plans", lambda plans, cost, path: None)
     assert quickstart.main(["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "dropout is 0 in both runs" in out and "about 1e-4 relative" in out

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 from megatron_dcp.integration.cost_models import predicted_step_time
 from megatron_dcp.scheduling import CostModel, Plan
+from megatron_dcp.scheduling.cost_fit import rank_features
 from megatron_dcp.scheduling.default_dynamic_cp import DefaultDynamicCPScheduler
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
@@ -57,6 +58,8 @@ class ArmPlan:
     cp_sizes: Dict[int, int]
     plan_time_s: float
     tokens: int
+    features: List[List[float]]  # per position, ``cost_fit.FEATURES``
+    sequences: List[int]  # per position, the sequences it runs (CP shares included)
 
 
 class ArmRotation(Scheduler):
@@ -114,7 +117,18 @@ def arm_plan(name: str, plan: Plan, cost: CostModel, start: float) -> ArmPlan:
         cp_sizes=plan.cp_size_histogram(),
         plan_time_s=elapsed,
         tokens=sum(plan.seqlens),
+        features=rank_features(plan, cost.nodes),
+        sequences=sequences_per_position(plan),
     )
+
+
+def sequences_per_position(plan: Plan) -> List[int]:
+    counts = [0] * plan.domain.size
+    for microbatch in plan.microbatches:
+        for group in microbatch.groups:
+            for rank in group.ranks:
+                counts[rank] += len(group.sample_ids)
+    return counts
 
 
 def as_record(batch: int, figures: Sequence[ArmPlan]) -> Dict[str, object]:

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from megatron_dcp.tools.launcher import available_cores
 from megatron_dcp.tools.bench_train.arms import DEFAULT_ARMS, arm_at, parse_arms, runnable
 from megatron_dcp.tools.bench_train.results import BenchResult, collect
-from megatron_dcp.tools.bench_train.worker import SPEC_VARIABLE, BenchSpec
+from megatron_dcp.tools.bench_train.worker import PLANS_FILE, SPEC_VARIABLE, TIMES_FILE, BenchSpec
 
 PROG = "megatron-dcp bench-train"
 ENTRIES = ("pretrain_gpt", "pretrain_mamba")
@@ -124,12 +125,6 @@ def bench_train(argv: Sequence[str]) -> int:
     return 0
 
 
-def available_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def check_cores(nproc: int, oversubscribe: bool) -> None:
     cores = available_cores()
     if nproc > cores and not oversubscribe:
@@ -163,7 +158,7 @@ def run_bench(args: argparse.Namespace, arms: Sequence[str], extra: Sequence[str
     from megatron_dcp.tools.launcher import run_pretrain
 
     args.out.mkdir(parents=True, exist_ok=True)
-    for stale in (args.out / "plans.jsonl", *args.out.glob("digests/rank*.txt")):
+    for stale in (args.out / PLANS_FILE, args.out / TIMES_FILE, *args.out.glob("digests/rank*.txt")):
         stale.unlink(missing_ok=True)
     iterations = args.batches * len(arms)
     flags = training_flags(extra, args.nproc, iterations)

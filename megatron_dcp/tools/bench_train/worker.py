@@ -5,7 +5,8 @@ pretrain_mamba, megatron's own loop) with three changes that make its arms compa
   ``b`` is read ``n`` times in a row (n arms): iteration ``t`` reads batch ``(t − 1) // n``.
 - **One arm per iteration.** The DCP wrapper's scheduler is an :class:`~.arms.ArmRotation`: each
   batch is planned by every arm under the run's cost model and run with the arm whose turn it
-  is. Rank 0 writes every batch's plans (``plans.jsonl``).
+  is. Rank 0 writes every batch's plans (``plans.jsonl``, with each position's cost-model
+  features) and every step's busy time per position (``times.jsonl``).
 - **Digests.** Each rank hashes the samples it reads, one digest per global batch read
   (``digests/rank<r>.txt``): the command checks that every arm of a batch saw the same samples.
 
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 SPEC_VARIABLE = "MEGATRON_DCP_BENCH"
 PLANS_FILE = "plans.jsonl"
+TIMES_FILE = "times.jsonl"
 DIGEST_DIR = "digests"
 
 
@@ -159,6 +161,13 @@ def bench_schedule_class(spec: BenchSpec) -> type:
             if isinstance(data_iterator, list):
                 return [self.digests, *data_iterator[1:]]
             return self.digests
+
+        def refine(self, times: Sequence[float]) -> None:
+            """Record every position's busy forward-backward seconds, then refine as usual."""
+            if dist.get_rank() == 0:
+                with open(Path(spec.out) / TIMES_FILE, "a") as out:
+                    out.write(json.dumps({"call": self.calls, "times": list(times)}) + "\n")
+            super().refine(times)
 
         def record_plans(self, batch: int, figures: Sequence[Any]) -> None:
             if dist.get_rank() == 0:
