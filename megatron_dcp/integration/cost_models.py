@@ -157,7 +157,8 @@ def cost_model_of(shape: ModelShape, hardware: Optional[str] = None) -> CostMode
 def predicted_times(plan: Plan, cost: CostModel) -> List[float]:
     """Per position of the domain, the seconds ``cost`` predicts for what it runs in ``plan``."""
     theta = coefficients(cost)
-    return [predict(theta, row) for row in rank_features(plan, cost.nodes)]
+    rows = rank_features(plan, cost.nodes, cost.spill_elements)
+    return [predict(theta, row) for row in rows]
 
 
 def predicted_step_time(plan: Plan, cost: CostModel) -> float:

@@ -5,6 +5,7 @@ and its ``[DCP]`` log line."""
 from __future__ import annotations
 
 import atexit
+import math
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -21,7 +22,7 @@ from megatron_dcp.scheduling.cost_fit import OnlineRefinement, rank_features
 from megatron_dcp.scheduling.metrics import imbalance as max_over_mean
 
 # Short names of the refined coefficients in the log line (cost_fit.FEATURES, in order).
-COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb")
+COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb", "spill")
 
 
 class DCPSchedule:
@@ -83,8 +84,9 @@ class DCPSchedule:
         same order on every rank) and plan the next global batch with it."""
         if self.refinement is None or self.wrapper is None or self.wrapper.plan is None:
             return
-        nodes = self.refinement.prior.nodes
-        cost = self.refinement.update(rank_features(self.wrapper.plan, nodes), times)
+        prior = self.refinement.prior
+        rows = rank_features(self.wrapper.plan, prior.nodes, prior.spill_elements)
+        cost = self.refinement.update(rows, times)
         self.wrapper.use_cost_model(cost)
 
     def describe(self, stats: BatchStats, elapsed_s: float, times: Sequence[float]) -> str:
@@ -107,9 +109,11 @@ class DCPSchedule:
         """The refined coefficients as factors of the prior's (empty when not refining)."""
         if self.refinement is None:
             return ""
+        labels = COEFFICIENT_LABELS
+        if math.isinf(self.refinement.prior.spill_elements):
+            labels = labels[:-1]  # no cache size: nothing spills, nothing to refine
         factors = " ".join(
-            f"{label} {factor:.3g}"
-            for label, factor in zip(COEFFICIENT_LABELS, self.refinement.factors)
+            f"{label} {factor:.3g}" for label, factor in zip(labels, self.refinement.factors)
         )
         return f" | cost x prior: {factors}"
 

@@ -4,7 +4,10 @@
 ``seqlens`` it packs in one micro-batch:
 
 - ``c == 1``: ``Σ (a·L + b·L²)``;
-- ``c > 1``: ``Σ (a·L + b·L²/η) / c + comm·(Σ L)·(c−1)/c + ring_step·(c−1)``.
+- ``c > 1``: ``Σ (a·L + b·L²/η) / c + comm·(Σ L)·(c−1)/c + ring_step·(c−1)``;
+- both plus ``spill · Σ max(0, L·L/c − spill_elements)``: attention that materialises each
+  sequence's ``L/c × L`` score block per rank (the CPU backend's reference attention) slows down
+  once the block leaves the cache (0 on GPU, where kernels never materialise scores).
 
 ``η`` (``cp_efficiency`` ≤ 1) is how well attention kernels keep their speed on ring chunks;
 ``comm`` is the exposed (not overlapped) cost of one token's K/V exchange; ``ring_step`` is the
@@ -27,6 +30,7 @@ nothing else computes costs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
@@ -52,9 +56,12 @@ class CostModel:
     name: str = "custom"
     microbatch: float = 0.0
     nodes: Optional[NodeLayout] = None
+    spill: float = 0.0
+    spill_elements: float = math.inf
 
     def __post_init__(self) -> None:
         values = (self.linear, self.quadratic, self.comm, self.ring_step, self.microbatch)
+        values += (self.spill, self.spill_elements)
         if min(values) < 0 or self.linear + self.quadratic <= 0:
             raise ValueError(f"cost model coefficients must be ≥ 0 with a+b > 0, got {self}")
         if not 0 < self.cp_efficiency <= 1:
@@ -70,6 +77,10 @@ class CostModel:
         overhead per micro-batch."""
         s = shape or ModelShape()
         hw = hardware or hardware_profile(DEFAULT_GPU_PROFILE)
+        spill, spill_elements = 0.0, math.inf
+        if hw.score_cache_bytes is not None and hw.score_spill_time > 0:
+            spill = s.attention_passes() * s.heads_per_rank() * hw.score_spill_time
+            spill_elements = hw.score_cache_bytes / (4 * s.heads_per_rank())
         return cls(
             linear=s.linear_flops() / (hw.peak_flops * hw.gemm_efficiency),
             quadratic=s.quadratic_flops() / (hw.peak_flops * hw.attention_efficiency),
@@ -78,6 +89,8 @@ class CostModel:
             cp_efficiency=hw.cp_efficiency,
             name=f"model@{hw.name}",
             microbatch=s.layer_passes() * hw.layer_pass_overhead,
+            spill=spill,
+            spill_elements=spill_elements,
         )
 
     @classmethod
@@ -98,9 +111,14 @@ class CostModel:
         comm = self.comm * self.nodes.comm_factor if self.crosses_nodes(cp_size) else self.comm
         return (slower + comm * seqlen * (cp_size - 1)) / cp_size
 
+    def spilled(self, seqlen: int, cp_size: int) -> float:
+        """Score elements of one sequence's block on one rank beyond what stays in cache."""
+        return max(0.0, seqlen * seqlen / cp_size - self.spill_elements)
+
     def per_rank(self, seqlen: int, cp_size: int) -> float:
         """One sequence's per-rank cost on a CP group of ``cp_size`` ranks, ring term excluded."""
-        return self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size)
+        cost = self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size)
+        return cost + self.spill * self.spilled(seqlen, cp_size) if self.spill else cost
 
     def ring_cost(self, cp_size: int) -> float:
         """The ring steps a non-empty CP group of ``cp_size`` ranks pays once per micro-batch."""

@@ -1,9 +1,11 @@
 """Fitting the cost model to measured times: features, non-negative least squares, online
 refinement (recursive least squares with forgetting) and cost-profile files.
 
-The cost of a plan is linear in six coefficients once the CP efficiency η is folded into one of
-them: ``θ = (a, b, b/η, comm, ring_step, microbatch)`` against the :data:`FEATURES` of what a rank
-ran, ``(Σ L/c, Σ_{c=1} L², Σ_{c>1} L²/c, Σ_{c>1} L·(c−1)/c, Σ_{groups} (c−1), micro-batches)``.
+The cost of a plan is linear in seven coefficients once the CP efficiency η is folded into one
+of them: ``θ = (a, b, b/η, comm, ring_step, microbatch, spill)`` against the :data:`FEATURES` of
+what a rank ran, ``(Σ L/c, Σ_{c=1} L², Σ_{c>1} L²/c, Σ_{c>1} L·(c−1)/c, Σ_{groups} (c−1),
+micro-batches, Σ max(0, L²/c − E))``; the cache size ``E`` (score elements) is a constant of the
+hardware profile, never fitted.
 :func:`group_features` and :func:`rank_features` compute them, :func:`fit` solves for ``θ``
 (relative errors, ``θ ≥ 0``) and :func:`from_coefficients` turns ``θ`` back into a
 :class:`CostModel`. Pure Python (the same floats on every rank, in the same order).
@@ -24,42 +26,63 @@ from megatron_dcp.scheduling.topology import NodeLayout
 # Steps a refinement ignores at the start: the first iteration of a run pays one-time costs
 # (process groups created lazily, allocator and autograd warm-up).
 WARM_UP_STEPS = 1
-FEATURES = ("linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch")
+FEATURES = ("linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch", "spill")
+MICROBATCH = FEATURES.index("microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
+# Online refinement (see OnlineRefinement and docs/cost_model.md, measured with
+# `python -m megatron_dcp.tools.refinement_bench` and on recorded training steps): the steps
+# whose points the fit keeps, and the weight that holds each factor to the scaled prior (a
+# factor twice its anchor costs as much as this many points off by 100 %). 0.003: real CPU
+# steps (noise ~5 %) are predicted to a median 7 % and a latency-heavy world's plans come
+# within 1 % in 6 steps; 0.1 predicted real steps to 4-6 % but held the micro-batch and ring
+# costs near the prior (plans 3 % off the true ones).
+WINDOW = 20
+PRIOR_WEIGHT = 0.003
+# Coordinate-descent sweeps of the bounded least squares (a fixed count: the same floats on
+# every rank).
+SWEEPS = 200
 
 Vector = List[float]
 
 
 def group_features(
-    seqlens: Sequence[int], cp_size: int, nodes: Optional[NodeLayout] = None
+    seqlens: Sequence[int],
+    cp_size: int,
+    nodes: Optional[NodeLayout] = None,
+    spill_elements: float = math.inf,
 ) -> Vector:
     """Features of one rank of a CP group of ``cp_size`` packing ``seqlens`` in one micro-batch
     (the micro-batch count is 0 here: :func:`rank_features` adds it). Over a node layout, a
     group that spans nodes counts its K/V and ring-step features times the layout's factors
-    (the coefficients stay those of the intra-node tier)."""
+    (the coefficients stay those of the intra-node tier). ``spill_elements``: the score elements
+    of one sequence's block that stay in cache (``CostModel.spill_elements``)."""
     lengths = list(seqlens)
     if not lengths:
         return [0.0] * len(FEATURES)
     c = cp_size
     tokens = float(sum(lengths))
     squares = float(sum(n * n for n in lengths))
+    spilled = sum(max(0.0, n * n / c - spill_elements) for n in lengths)
     if c == 1:
-        return [tokens, squares, 0.0, 0.0, 0.0, 0.0]
+        return [tokens, squares, 0.0, 0.0, 0.0, 0.0, spilled]
     comm, ring = (nodes.comm_factor, nodes.ring_factor) if nodes and nodes.crosses(c) else (1, 1)
-    return [tokens / c, 0.0, squares / c, comm * tokens * (c - 1) / c, ring * (c - 1.0), 0.0]
+    return [tokens / c, 0.0, squares / c, comm * tokens * (c - 1) / c, ring * (c - 1.0), 0.0, spilled]
 
 
-def rank_features(plan: Plan, nodes: Optional[NodeLayout] = None) -> List[Vector]:
+def rank_features(
+    plan: Plan, nodes: Optional[NodeLayout] = None, spill_elements: float = math.inf
+) -> List[Vector]:
     """Per position of the domain, the features of everything it runs in ``plan`` (over the
-    node layout ``nodes``, see :func:`group_features`)."""
+    node layout ``nodes``, with the cache size ``spill_elements``: see :func:`group_features`)."""
     rows = [[0.0] * len(FEATURES) for _ in range(plan.domain.size)]
     for microbatch in plan.microbatches:
         for group in microbatch.groups:
-            values = group_features([plan.seqlens[i] for i in group.sample_ids], group.size, nodes)
+            lengths = [plan.seqlens[i] for i in group.sample_ids]
+            values = group_features(lengths, group.size, nodes, spill_elements)
             for rank in group.ranks:
                 rows[rank] = [x + y for x, y in zip(rows[rank], values)]
         for row in rows:
-            row[-1] += 1.0
+            row[MICROBATCH] += 1.0
     return rows
 
 
@@ -72,22 +95,28 @@ def coefficients(cost: CostModel) -> Vector:
         cost.comm,
         cost.ring_step,
         cost.microbatch,
+        cost.spill,
     ]
 
 
 def from_coefficients(
-    theta: Sequence[float], name: str = "fitted", nodes: Optional[NodeLayout] = None
+    theta: Sequence[float],
+    name: str = "fitted",
+    nodes: Optional[NodeLayout] = None,
+    spill_elements: float = math.inf,
 ) -> CostModel:
     """The cost model of ``θ``: η = b / (b/η), clamped to (0, 1] (CP attention is never faster
     than whole-sequence attention); with no whole-sequence data (b = 0) the CP rate is the rate."""
-    a, b, b_cp, comm, ring, microbatch = (max(0.0, float(x)) for x in theta)
+    a, b, b_cp, comm, ring, microbatch, spill = (max(0.0, float(x)) for x in theta)
     if b <= 0:
         b, eta = b_cp, 1.0
     else:
         eta = min(1.0, b / b_cp) if b_cp > 0 else 1.0
     if a + b <= 0:
         raise ValueError(f"fitted coefficients {list(theta)} leave no work per token")
-    return CostModel(a, b, comm, ring, eta, name, microbatch, nodes)
+    if math.isinf(spill_elements):
+        spill = 0.0
+    return CostModel(a, b, comm, ring, eta, name, microbatch, nodes, spill, spill_elements)
 
 
 def predict(theta: Sequence[float], features: Sequence[float]) -> float:
@@ -156,26 +185,41 @@ def relative_errors(theta: Sequence[float], rows, times) -> Vector:
 
 
 class OnlineRefinement:
-    """Recursive least squares with forgetting on relative errors, in units of a prior cost
-    model: ``θ_j = prior_j · f_j``. After ``WARM_UP_STEPS`` ignored steps, the first step scales
-    all factors (and their variance) by the median measured / predicted time; then the factors move with variance ``1`` (so a handful of steps cannot move
-    a coefficient the plans have not exercised away from the scaled prior) and stay within
-    ``bounds``. Every rank feeds the same observations in the same order and gets the same
-    floats."""
+    """Refines a prior cost model from measured step times: ``θ_j = prior_j · f_j``.
+
+    The first ``WARM_UP_STEPS`` steps are ignored; the next one scales every factor by the
+    median measured / predicted time (a prior off by a constant factor, another machine or
+    model, is right at once: the *anchor*). From then on each step refits the factors to the
+    points of the last ``window`` steps: bounded least squares of relative errors,
+    ``Σ (z · f − 1)² + prior_weight · Σ_j (f_j / anchor_j − 1)²`` with every factor within
+    ``bounds`` times its anchor (``z`` a point's features in prior units over its measured
+    time). The prior
+    term keeps a direction the plans never (or barely) exercise at the anchor; the bounds keep
+    every coefficient non-negative. A window, not a running estimate: a noisy step moves the
+    fit by one point among ``window × ranks``, and a change of machine or load is forgotten
+    after ``window`` steps. Deterministic: every rank feeds the same observations in the same
+    order and gets the same floats."""
 
     def __init__(
         self,
         prior: CostModel,
-        forgetting: float = 0.9,
+        window: int = WINDOW,
         bounds: Tuple[float, float] = (1e-2, 1e2),
+        prior_weight: float = PRIOR_WEIGHT,
     ) -> None:
-        if not 0 < forgetting <= 1:
-            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
-        self.prior, self.forgetting, self.bounds = prior, forgetting, bounds
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive number of steps, got {window!r}")
+        if not prior_weight > 0:
+            raise ValueError(
+                f"prior_weight must be > 0, got {prior_weight}; it holds unexercised "
+                f"coefficients at the prior (default PRIOR_WEIGHT = {PRIOR_WEIGHT:g})"
+            )
+        self.prior, self.window, self.bounds = prior, window, bounds
+        self.prior_weight = prior_weight
         self.scales = _scales(prior)
-        width = len(FEATURES)
-        self.factors = [1.0] * width
-        self.covariance = [[float(i == j) for j in range(width)] for i in range(width)]
+        self.factors = [1.0] * len(FEATURES)
+        self.anchor = list(self.factors)
+        self.points: List[List[Vector]] = []  # per kept step, its points z
         self.updates = 0
 
     @property
@@ -184,7 +228,8 @@ class OnlineRefinement:
 
     @property
     def cost(self) -> CostModel:
-        return from_coefficients(self.theta, self.prior.name, self.prior.nodes)
+        prior = self.prior
+        return from_coefficients(self.theta, prior.name, prior.nodes, prior.spill_elements)
 
     def update(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> CostModel:
         """Take one step's observations (features and measured seconds per rank); returns the
@@ -195,41 +240,43 @@ class OnlineRefinement:
             return self.cost
         if self.updates == WARM_UP_STEPS + 1:
             self._rescale(rows, times)
-        lam = self.forgetting
-        self.covariance = [[p / lam for p in row] for row in self.covariance]
-        for row, t in zip(rows, times):
-            if t > 0:
-                self._observe([x * s / t for x, s in zip(row, self.scales)])
-        low, high = self.bounds
-        self.factors = [min(high, max(low, f)) for f in self.factors]
+        step = [[x * s / t for x, s in zip(row, self.scales)] for row, t in zip(rows, times) if t > 0]
+        self.points = [*self.points, step][-self.window :]
+        self.factors = bounded_ridge(
+            [z for kept in self.points for z in kept], self.anchor, self.prior_weight, self.bounds
+        )
         return self.cost
 
     def _rescale(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> None:
-        """First step: scale every factor by the median measured / predicted time, so that a
-        prior off by a constant factor (another machine, another model) is right at once and
-        the RLS steps only shape the coefficients."""
+        """First step: the anchor is every factor times the median measured / predicted time."""
         theta = self.theta
         ratios = sorted(
             t / p for row, t in zip(rows, times) if t > 0 and (p := predict(theta, row)) > 0
         )
-        if ratios:
+        if ratios:  # unbounded: a prior may be off by any factor (the H100 profile on CPU)
             scale = ratios[len(ratios) // 2]
-            low, high = self.bounds
-            self.factors = [min(high, max(low, f * scale)) for f in self.factors]
-            # The factors' uncertainty scales with them (variance by scale²).
-            self.covariance = [[p * scale * scale for p in row] for row in self.covariance]
+            self.factors = self.anchor = [f * scale for f in self.factors]
 
-    def _observe(self, z: Vector) -> None:
-        """One RLS step towards ``z · f = 1``."""
-        p = self.covariance
-        pz = [sum(p[i][j] * z[j] for j in range(len(z))) for i in range(len(z))]
-        gain_denominator = 1.0 + sum(zi * pzi for zi, pzi in zip(z, pz))
-        gain = [v / gain_denominator for v in pz]
-        error = 1.0 - sum(f * zi for f, zi in zip(self.factors, z))
-        self.factors = [f + g * error for f, g in zip(self.factors, gain)]
-        self.covariance = [
-            [p[i][j] - gain[i] * pz[j] for j in range(len(z))] for i in range(len(z))
-        ]
+
+def bounded_ridge(
+    points: Sequence[Vector], anchor: Vector, weight: float, bounds: Tuple[float, float]
+) -> Vector:
+    """``argmin Σ_p (z_p · f − 1)² + weight · Σ_j (f_j / anchor_j − 1)²`` over
+    ``bounds[0] ≤ f_j / anchor_j ≤ bounds[1]``: a strictly convex quadratic (the weight term), solved by
+    :data:`SWEEPS` sweeps of exact coordinate minimisation (each clipped to the bounds)."""
+    width = len(anchor)
+    gram = [[sum(z[i] * z[j] for z in points) for j in range(width)] for i in range(width)]
+    rhs = [sum(z[i] for z in points) for i in range(width)]
+    for j, a in enumerate(anchor):
+        gram[j][j] += weight / (a * a)
+        rhs[j] += weight / a
+    low, high = bounds
+    f = list(anchor)
+    for _ in range(SWEEPS):
+        for j in range(width):
+            rest = sum(gram[j][k] * f[k] for k in range(width) if k != j)
+            f[j] = min(high * anchor[j], max(low * anchor[j], (rhs[j] - rest) / gram[j][j]))
+    return f
 
 
 def _scales(prior: CostModel) -> Vector:
@@ -237,7 +284,9 @@ def _scales(prior: CostModel) -> Vector:
     share of the linear cost so that refinement can still grow it."""
     theta = coefficients(prior)
     unit = prior.linear or prior.quadratic
-    fallbacks = [unit, unit / 1024, unit / 1024, 0.01 * unit, 16 * unit, 16 * unit]
+    # A prior without a cache size has no spill to refine (its spill feature is always 0).
+    spill = 0.0 if math.isinf(prior.spill_elements) else unit / 1024
+    fallbacks = [unit, unit / 1024, unit / 1024, 0.01 * unit, 16 * unit, 16 * unit, spill]
     return [t if t > 0 else f for t, f in zip(theta, fallbacks)]
 
 
@@ -261,6 +310,8 @@ class CostProfile:
                 "ring_step": c.ring_step,
                 "cp_efficiency": c.cp_efficiency,
                 "microbatch": c.microbatch,
+                "spill": c.spill,
+                "spill_elements": None if math.isinf(c.spill_elements) else c.spill_elements,
             },
             "source": self.source,
         }
@@ -288,6 +339,8 @@ def load_profile(path: str, flag: str = "--cost-profile") -> CostProfile:
             values["cp_efficiency"],
             data.get("name", "profile"),
             values["microbatch"],
+            spill=values.get("spill", 0.0),
+            spill_elements=values.get("spill_elements") or math.inf,
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(

@@ -37,6 +37,12 @@ class HardwareProfile:
     # CP attention speed relative to whole-sequence attention (smaller ring chunks).
     cp_efficiency: float = 1.0
     bytes_per_element: int = 2
+    # Attention that materialises its scores (the CPU backend's reference attention): bytes of
+    # fp32 scores of one sequence's block (all heads of a rank) that stay in cache, and the
+    # seconds each score element of one head beyond them adds to one layer's forward and
+    # backward. None / 0: kernels that never materialise scores (flash attention on GPU).
+    score_cache_bytes: Optional[float] = None
+    score_spill_time: float = 0.0
     # The same two for a ring step that crosses a node boundary (None: as inside a node).
     inter_node_link_bandwidth: Optional[float] = None
     inter_node_ring_step_latency: Optional[float] = None
@@ -82,21 +88,29 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
     # 2 ranks; docs/cost_model.md has the run):
     # - peak 96 GFLOP/s: one AVX2 core's fp32 FMA peak (2 FMA units × 8 lanes × 2 FLOPs × 3 GHz);
     #   GEMMs reached 54 GFLOP/s (56 %);
-    # - attention 7.4 GFLOP/s (8 %): the reference attention materialises L×L scores;
+    # - attention 16 GFLOP/s (17 %) while a sequence's scores stay in cache (the reference
+    #   attention materialises L×L scores; 47 ns per element of 4 heads × 32 dims, forward and
+    #   backward, up to 1024²); the calibrated 7.4 GFLOP/s averaged in the spilled sizes;
     # - 0.22 GB/s for K/V through gloo, nothing hidden (K/V are gathered before attention);
     # - 4 ms per CP step of a layer pass and 2 ms per layer pass: gloo round trips and the Python
     #   and autograd dispatch of a small layer dominate on CPU;
-    # - no second tier: the ranks of this machine talk over loopback, wherever a "node" ends.
+    # - no second tier: the ranks of this machine talk over loopback, wherever a "node" ends;
+    # - score spill: the reference attention's forward + backward costs ~47 ns per score element
+    #   (4 heads) while a sequence's scores stay under ~16 MiB, ~120 ns beyond 64 MiB (the 32 MiB
+    #   L3 that both cores share): 19 ns per element of one head beyond 16 MiB
+    #   (docs/performance.md, "The missing term").
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo",
         peak_flops=96e9,
         gemm_efficiency=0.56,
-        attention_efficiency=0.08,
+        attention_efficiency=0.17,
         link_bandwidth=0.22e9,
         exposed_fraction=1.0,
         ring_step_latency=4e-3,
         layer_pass_overhead=2e-3,
         bytes_per_element=4,
+        score_cache_bytes=16 * 2**20,
+        score_spill_time=19e-9,
     ),
 }
 

@@ -2,9 +2,11 @@
 
 ``batch_lower_bound(seqlens, domain, cost, vpp) = (Σ_i W_i + R) / N + K · microbatch``:
 
-- ``W_i = c_i · per_rank(L_i, c_i)``, sample i's cost summed over its ranks at its minimum CP
-  size ``c_i``. A sample's total cost ``a·L + b·L²/η + comm·L·(c−1)`` never falls as c grows
-  (η ≤ 1, comm ≥ 0; over nodes, comm only grows once c crosses a node).
+- ``W_i = min_{c ≥ c_i} c · per_rank(L_i, c)``, sample i's least cost summed over its ranks
+  on any CP size it may take. Without score spill that is its minimum CP size ``c_i``: a
+  sample's total cost ``a·L + b·L²/η + comm·L·(c−1)`` never falls as c grows (η ≤ 1,
+  comm ≥ 0; over nodes, comm only grows once c crosses a node). The spill term
+  ``c · spill · max(0, L²/c − E)`` does fall with c, hence the minimum over sizes.
 - ``K``, the fewest micro-batches: the tokens need ⌈Σ L / (N · budget)⌉ (at least one when
   there is a sample), rounded up to a multiple of the VPP group size.
 - ``R ≤`` the ring steps every plan pays, summed over ranks: a group of c ranks that holds a
@@ -53,11 +55,20 @@ def batch_lower_bound(
     for seqlen in seqlens:
         size = domain.cp_degree(seqlen)
         base, rate = shares[size]
-        work += cost.per_rank(seqlen, size) * size
+        work += least_work(cost, seqlen, size, domain.group_sizes)
         shared += base + rate * seqlen
     count = fewest_microbatches(seqlens, domain, vpp)
     ring = max(shared, coverage_ring(len(seqlens), count, domain.size, cost))
     return (work + ring) / domain.size + cost.microbatch * count
+
+
+def least_work(cost: CostModel, seqlen: int, size: int, sizes: Sequence[int]) -> float:
+    """A sample's cost summed over its ranks on the CP size that makes it least: its minimum
+    ``size`` unless a larger group keeps its score blocks in cache (``CostModel.spill``)."""
+    least = cost.per_rank(seqlen, size) * size
+    if not cost.spill:
+        return least
+    return min([least, *(cost.per_rank(seqlen, c) * c for c in sizes if c > size)])
 
 
 def fewest_microbatches(seqlens: Sequence[int], domain: Domain, vpp: Optional[int]) -> int:

@@ -131,6 +131,14 @@ class ModelShape:
         layers = self.num_attention_layers + self.mtp_depth
         return TRAIN_FACTOR * layers * 2 * self.kv_dim * bytes_per_element / self.tp_size
 
+    def heads_per_rank(self) -> int:
+        """Attention heads one TP rank computes (each materialises its own score block)."""
+        return max(1, self.num_attention_heads // self.tp_size)
+
+    def attention_passes(self) -> int:
+        """Attention layers one micro-batch runs, MTP's included."""
+        return self.num_attention_layers + self.mtp_depth
+
     def ring_passes(self) -> int:
         """Ring passes per micro-batch: one forward and one backward per attention layer."""
         return 2 * (self.num_attention_layers + self.mtp_depth)

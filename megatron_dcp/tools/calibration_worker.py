@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.cost_fit import Vector, group_features
+from megatron_dcp.scheduling.cost_fit import MICROBATCH, Vector, group_features
 
 # torch and megatron are imported where used: ``megatron-dcp`` builds its parser from this module.
 
@@ -43,7 +43,7 @@ class Point:
     def features(self) -> Vector:
         """The cost-fit features of one rank of the group: one micro-batch, these sequences."""
         row = group_features(self.lengths, self.cp_size)
-        row[-1] += 1.0
+        row[MICROBATCH] += 1.0
         return row
 
     def label(self) -> str:

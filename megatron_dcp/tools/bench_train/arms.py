@@ -59,7 +59,7 @@ class ArmPlan:
     plan_time_s: float
     tokens: int
     features: List[List[float]]  # per position, ``cost_fit.FEATURES``
-    sequences: List[int]  # per position, the sequences it runs (CP shares included)
+    sequences: List[List[Tuple[int, int]]]  # per position, (length, CP size) of what it runs
 
 
 class ArmRotation(Scheduler):
@@ -117,18 +117,18 @@ def arm_plan(name: str, plan: Plan, cost: CostModel, start: float) -> ArmPlan:
         cp_sizes=plan.cp_size_histogram(),
         plan_time_s=elapsed,
         tokens=sum(plan.seqlens),
-        features=rank_features(plan, cost.nodes),
+        features=rank_features(plan, cost.nodes, cost.spill_elements),
         sequences=sequences_per_position(plan),
     )
 
 
-def sequences_per_position(plan: Plan) -> List[int]:
-    counts = [0] * plan.domain.size
+def sequences_per_position(plan: Plan) -> List[List[Tuple[int, int]]]:
+    runs: List[List[Tuple[int, int]]] = [[] for _ in range(plan.domain.size)]
     for microbatch in plan.microbatches:
         for group in microbatch.groups:
             for rank in group.ranks:
-                counts[rank] += len(group.sample_ids)
-    return counts
+                runs[rank] += [(plan.seqlens[i], group.size) for i in group.sample_ids]
+    return runs
 
 
 def as_record(batch: int, figures: Sequence[ArmPlan]) -> Dict[str, object]:
