@@ -30,14 +30,14 @@ FEATURES = ("linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microba
 MICROBATCH = FEATURES.index("microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
 # Online refinement (see OnlineRefinement and docs/cost_model.md, measured with
-# `python -m megatron_dcp.tools.refinement_bench` and on recorded training steps): the steps
-# whose points the fit keeps, and the weight that holds each factor to the scaled prior (a
-# factor twice its anchor costs as much as this many points off by 100 %). 0.003: real CPU
-# steps (noise ~5 %) are predicted to a median 7 % and a latency-heavy world's plans come
-# within 1 % in 6 steps; 0.1 predicted real steps to 4-6 % but held the micro-batch and ring
-# costs near the prior (plans 3 % off the true ones).
+# `python -m megatron_dcp.tools.refinement_bench` and by replaying recorded `bench-train` steps):
+# the steps whose points the fit keeps, and the weight that holds each factor to the scaled prior
+# (a factor twice its anchor costs as much as this many points off by 100 %). 0.0005: recorded
+# CPU steps (noise ~5 %) are predicted to a median 4-7 % and a latency-heavy world's plans come
+# within 1 % in 5-9 steps; 0.1 predicted the recorded steps to 4-6 % but held the micro-batch
+# and ring costs near the prior (plans 3 % off the true ones).
 WINDOW = 20
-PRIOR_WEIGHT = 0.003
+PRIOR_WEIGHT = 0.0005
 # Coordinate-descent sweeps of the bounded least squares (a fixed count: the same floats on
 # every rank).
 SWEEPS = 200
@@ -66,7 +66,8 @@ def group_features(
     if c == 1:
         return [tokens, squares, 0.0, 0.0, 0.0, 0.0, spilled]
     comm, ring = (nodes.comm_factor, nodes.ring_factor) if nodes and nodes.crosses(c) else (1, 1)
-    return [tokens / c, 0.0, squares / c, comm * tokens * (c - 1) / c, ring * (c - 1.0), 0.0, spilled]
+    comm_feature = comm * tokens * (c - 1) / c
+    return [tokens / c, 0.0, squares / c, comm_feature, ring * (c - 1.0), 0.0, spilled]
 
 
 def rank_features(
@@ -240,7 +241,8 @@ class OnlineRefinement:
             return self.cost
         if self.updates == WARM_UP_STEPS + 1:
             self._rescale(rows, times)
-        step = [[x * s / t for x, s in zip(row, self.scales)] for row, t in zip(rows, times) if t > 0]
+        scales = self.scales
+        step = [[x * s / t for x, s in zip(row, scales)] for row, t in zip(rows, times) if t > 0]
         self.points = [*self.points, step][-self.window :]
         self.factors = bounded_ridge(
             [z for kept in self.points for z in kept], self.anchor, self.prior_weight, self.bounds
@@ -262,8 +264,8 @@ def bounded_ridge(
     points: Sequence[Vector], anchor: Vector, weight: float, bounds: Tuple[float, float]
 ) -> Vector:
     """``argmin Σ_p (z_p · f − 1)² + weight · Σ_j (f_j / anchor_j − 1)²`` over
-    ``bounds[0] ≤ f_j / anchor_j ≤ bounds[1]``: a strictly convex quadratic (the weight term), solved by
-    :data:`SWEEPS` sweeps of exact coordinate minimisation (each clipped to the bounds)."""
+    ``bounds[0] ≤ f_j / anchor_j ≤ bounds[1]``: a strictly convex quadratic (the weight term),
+    solved by :data:`SWEEPS` sweeps of exact coordinate minimisation (each clipped to the bounds)."""
     width = len(anchor)
     gram = [[sum(z[i] * z[j] for z in points) for j in range(width)] for i in range(width)]
     rhs = [sum(z[i] for z in points) for i in range(width)]

@@ -142,7 +142,8 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
 
     def path(self, seqlens: tuple, microbatches: Sequence[MicroBatch]) -> float:
         """The critical path of ``microbatches`` under this scheduler's cost model."""
-        plan = Plan(seqlens, self.domain, tuple(microbatches), self.microbatch_group_size_per_vp_stage)
+        vpp = self.microbatch_group_size_per_vp_stage
+        plan = Plan(seqlens, self.domain, tuple(microbatches), vpp)
         return critical_path(plan, self.cost_model)
 
 

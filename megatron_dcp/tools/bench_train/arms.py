@@ -150,4 +150,5 @@ def parse_arms(text: str) -> Tuple[str, ...]:
 
 def runnable(arms: Sequence[str]) -> Tuple[Tuple[str, ...], Dict[str, str]]:
     """The arms this runtime can run, and the others with their reasons."""
-    return tuple(a for a in arms if a in ARMS), {a: UNAVAILABLE[a] for a in arms if a in UNAVAILABLE}
+    missing = {arm: UNAVAILABLE[arm] for arm in arms if arm in UNAVAILABLE}
+    return tuple(arm for arm in arms if arm in ARMS), missing

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
-from megatron_dcp.tools.launcher import available_cores
 from megatron_dcp.tools.bench_train.arms import DEFAULT_ARMS, arm_at, parse_arms, runnable
 from megatron_dcp.tools.bench_train.results import BenchResult, collect
 from megatron_dcp.tools.bench_train.worker import PLANS_FILE, SPEC_VARIABLE, TIMES_FILE, BenchSpec
+from megatron_dcp.tools.launcher import TrainingRunError, available_cores
 
 PROG = "megatron-dcp bench-train"
+WORKER_ENTRY = "tools.bench_train.worker"  # run as ``python -m megatron_dcp.<entry>``
 ENTRIES = ("pretrain_gpt", "pretrain_mamba")
 DEFAULTS: Dict[str, object] = {
     "--num-layers": 4,
@@ -118,7 +119,11 @@ def bench_train(argv: Sequence[str]) -> int:
             f"{options.batches})."
         )
     arms, missing = runnable(options.arms)
-    result = run_bench(options, arms, extra)
+    try:
+        result = run_bench(options, arms, extra)
+    except TrainingRunError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
     result.unavailable.update(missing)
     print_report(result)
     write_outputs(result, options.out)
@@ -158,7 +163,8 @@ def run_bench(args: argparse.Namespace, arms: Sequence[str], extra: Sequence[str
     from megatron_dcp.tools.launcher import run_pretrain
 
     args.out.mkdir(parents=True, exist_ok=True)
-    for stale in (args.out / PLANS_FILE, args.out / TIMES_FILE, *args.out.glob("digests/rank*.txt")):
+    stale_files = [args.out / PLANS_FILE, args.out / TIMES_FILE, *args.out.glob("digests/*.txt")]
+    for stale in stale_files:
         stale.unlink(missing_ok=True)
     iterations = args.batches * len(arms)
     flags = training_flags(extra, args.nproc, iterations)
@@ -171,8 +177,9 @@ def run_bench(args: argparse.Namespace, arms: Sequence[str], extra: Sequence[str
     start = time.perf_counter()
     os.environ[SPEC_VARIABLE] = spec.to_env()
     try:
-        log = run_pretrain(flags, args.nproc, args.out / "train.log", timeout_s=3600.0,
-                           entry="tools.bench_train.worker")
+        log = run_pretrain(
+            flags, args.nproc, args.out / "train.log", timeout_s=3600.0, entry=WORKER_ENTRY
+        )
     finally:
         del os.environ[SPEC_VARIABLE]
     print(f"bench-train: done in {time.perf_counter() - start:.0f} s", flush=True)

@@ -49,14 +49,20 @@ def model_lines(result: BenchResult) -> List[str]:
     errors = ", ".join(f"iterations {w} {e:.1%}" for w, e in result.errors.items())
     o = result.ordering
     return [
-        f"model vs clock: [DCP] predicted fwd-bwd against measured, median error: {errors or 'n/a'}",
+        "model vs clock: [DCP] predicted fwd-bwd against measured, median error: "
+        + (errors or "n/a"),
         f"plan order (critical path vs step time), predicted gap ≥ {CLEAR_GAP:.0%}: "
         f"{o.clear_agree}/{o.clear_total} agree; below: {o.close_agree}/{o.close_total} agree",
     ]
 
 
 def print_report(result: BenchResult) -> None:
-    lines = ["", describe_run(result), *table(result), *model_lines(result)]
+    lines = ["", describe_run(result), *table(result)]
+    lines += [
+        f"dcp over {arm} (paired): {s.value:.3f} [{s.low:.3f}, {s.high:.3f}]"
+        for arm, s in result.dcp_over.items()
+    ]
+    lines += model_lines(result)
     lines += [f"n/a {arm}: {why}" for arm, why in result.unavailable.items()]
     print("\n".join(lines))
 
@@ -96,6 +102,10 @@ def plot(result: BenchResult, path: Path) -> None:
         ecolor="black",
         capsize=6,
     )
+    for x, interval in zip(others, speedups):
+        right.annotate(f"{interval.value:.3f}", (x, interval.high), ha="center", va="bottom")
+    right.set_ylim(min([1.0, *(s.low for s in speedups)]) - 0.05,
+                   max([1.0, *(s.high for s in speedups)]) + 0.05)
     right.axhline(1.0, color="black", linewidth=0.8)
     right.set(ylabel="speedup over static CP (Σ static / Σ arm)", title=f"{LEVEL:.0%} intervals")
     fig.suptitle(describe_run(result), fontsize=9)

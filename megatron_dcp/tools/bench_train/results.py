@@ -68,6 +68,7 @@ class BenchResult:
     summaries: Dict[str, ArmSummary]
     ordering: Ordering
     errors: Dict[str, float]  # "5-30" -> median |pred − meas| / meas
+    dcp_over: Dict[str, Interval]  # DCP's speedup over every other non-static arm, paired
     flags: List[str]
     nproc: int
     oversubscribed: bool
@@ -113,8 +114,15 @@ def collect(
     kept = [s for s in steps if s.batch >= warmup]
     by_arm = {arm: sorted((s for s in kept if s.arm == arm), key=lambda s: s.batch) for arm in arms}
     summaries = {arm: summarize(arm, by_arm[arm], by_arm["static"]) for arm in arms}
+    dcp_over = {}
+    if "dcp" in by_arm:
+        dcp_times = [s.step_ms for s in by_arm["dcp"]]
+        for arm in arms:
+            if arm not in ("static", "dcp"):
+                dcp_over[arm] = speedup_interval([s.step_ms for s in by_arm[arm]], dcp_times)
+    ordered = plan_ordering(kept, arms)
     return BenchResult(
-        arms, steps, summaries, plan_ordering(kept, arms), model_errors(steps), flags, nproc,
+        arms, steps, summaries, ordered, model_errors(steps), dcp_over, flags, nproc,
         oversubscribed, warmup,
     )
 
