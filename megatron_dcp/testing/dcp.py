@@ -14,6 +14,7 @@ from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.dcp import build_forward_backward
 from megatron_dcp.integration.gpt_step import forward_step
 from megatron_dcp.integration.patches import apply_patches
+from megatron_dcp.scheduling import CostModel
 from megatron_dcp.testing.gpt import (
     Sample,
     TinyGPTOptions,
@@ -54,9 +55,11 @@ def dcp_training_step(
     min_cp_size: int = 1,
     options: Optional[TinyGPTOptions] = None,
     overlap: CommOverlap = NO_OVERLAP,
+    cost_model: Optional[CostModel] = None,
 ) -> DCPStepResult:
     """One forward-backward of ``samples`` (the global batch, split evenly over DP ranks);
-    ``overlap``: its p2p settings (``testing.overlap``; a step without DDP has no others)."""
+    ``overlap``: its p2p settings (``testing.overlap``; a step without DDP has no others);
+    ``cost_model``: what the scheduler plans with (default: the model's on this backend)."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
@@ -65,7 +68,11 @@ def dcp_training_step(
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
     use_p2p_overlap(chunks[0].config, overlap)
     dcp = DCPConfig.for_model(
-        chunks[0].config, budget, scheduler=scheduler, min_cp_size=min_cp_size
+        chunks[0].config,
+        budget,
+        scheduler=scheduler,
+        min_cp_size=min_cp_size,
+        cost_model=cost_model,
     )
     wrapper = build_forward_backward(chunks[0].config, dcp)
     dp_rank = parallel_state.get_data_parallel_rank()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.scheduling import build_cost_model
 from megatron_dcp.testing import run_distributed
 
 pytestmark = [
@@ -167,8 +168,18 @@ def test_overlapped_p2p_step_equals_single_process(overlap, step_samples, step_r
     single-process step. The exchanges are unbatched p2p (``_p2p_ops``, which at pipeline size 2
     uses the world group for one direction), waited on just before use, instead of the tagged
     batched ops of the ``pipeline_p2p_tags`` patch."""
+    # Planned under the latency-heavy cost model: there DCP's own plan (9 sequences on CP 1,
+    # 3 on CP 2, 6 micro-batches) beats the static-CP plan (4 micro-batches), which the tiny
+    # model's CPU cost model would choose (its fixed cost per micro-batch dominates).
     step = partial(
-        dcp_training_step, pp=2, vpp=2, cp=2, budget=100, options=OPTIONS, overlap=overlap
+        dcp_training_step,
+        pp=2,
+        vpp=2,
+        cp=2,
+        budget=100,
+        options=OPTIONS,
+        overlap=overlap,
+        cost_model=build_cost_model("latency"),
     )
     results = run_distributed(partial(counting_overlaps, step), 4, step_samples, timeout_s=240)
     for result, counts in results:
