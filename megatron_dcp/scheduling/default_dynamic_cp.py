@@ -115,11 +115,13 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
             best = min((best, other), key=lambda rows: draft_critical_path(ctx, rows))
         planned = [freeze_microbatch(row) for row in best]
         static = self.static_plan(seqlens)
-        if static is not None and self.path(seqlens, static) < self.path(seqlens, planned):
-            return static
+        if static is not None and critical_path(static, self.cost_model) < self.path(
+            seqlens, planned
+        ):
+            return list(static.microbatches)
         return planned
 
-    def static_plan(self, seqlens: tuple) -> Optional[List[MicroBatch]]:
+    def static_plan(self, seqlens: tuple) -> Optional[Plan]:
         """The static-CP plan (``dp_balanced``) of these lengths, or None where static CP cannot
         run them: DCP competes with it under the same cost model and never plans longer.
         Batches with empty samples keep DCP's plan (static bins may hold only empty samples,
@@ -128,20 +130,19 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         if 0 in seqlens:
             return None
         try:
-            static = DPBalancedScheduler(
+            return DPBalancedScheduler(
                 domain.dp_size,
                 domain.cp_size,
                 domain.budget,
                 domain.min_cp_size,
                 self.microbatch_group_size_per_vp_stage,
                 self.cost_model,
-            )
-            return static._schedule(seqlens)
+            ).schedule(seqlens)
         except SchedulingError:
             return None
 
     def path(self, seqlens: tuple, microbatches: Sequence[MicroBatch]) -> float:
-        """The critical path of ``microbatches`` under this scheduler's cost model."""
+        """The critical path of DCP's own ``microbatches`` under this scheduler's cost model."""
         vpp = self.microbatch_group_size_per_vp_stage
         plan = Plan(seqlens, self.domain, tuple(microbatches), vpp)
         return critical_path(plan, self.cost_model)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
+from megatron_dcp.tools.bench_train.arms import arm_at
+
 SPEC_VARIABLE = "MEGATRON_DCP_BENCH"
 PLANS_FILE = "plans.jsonl"
 TIMES_FILE = "times.jsonl"
@@ -61,8 +63,6 @@ class RepeatedBatches:
         return len(self.dataset) * len(self.arms)
 
     def __getitem__(self, index: int) -> Any:
-        from megatron_dcp.tools.bench_train.arms import arm_at
-
         served, within = divmod(index, self.global_batch)
         batch, arm = arm_at(served + 1, self.arms)
         sample = self.dataset[batch * self.global_batch + within]
