@@ -113,7 +113,7 @@ class CostModel:
 
     def spilled(self, seqlen: int, cp_size: int) -> float:
         """Score elements of one sequence's block on one rank beyond what stays in cache."""
-        return max(0.0, seqlen * seqlen / cp_size - self.spill_elements)
+        return spilled_elements(seqlen, cp_size, self.spill_elements)
 
     def per_rank(self, seqlen: int, cp_size: int) -> float:
         """One sequence's per-rank cost on a CP group of ``cp_size`` ranks, ring term excluded."""
@@ -146,6 +146,11 @@ class CostModel:
         if not lengths:
             return 0.0
         return sum(self.per_rank(n, cp_size) for n in lengths) + self.ring_cost(cp_size)
+
+
+def spilled_elements(seqlen: int, cp_size: int, cached: float) -> float:
+    """Elements of one sequence's ``L/c × L`` score block on one rank beyond the ``cached`` ones."""
+    return max(0.0, seqlen * seqlen / cp_size - cached)
 
 
 def latency_heavy(shape: Optional[ModelShape] = None) -> CostModel:

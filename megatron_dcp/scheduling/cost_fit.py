@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.cost import CostModel, spilled_elements
 from megatron_dcp.scheduling.plan import Plan
 from megatron_dcp.scheduling.topology import NodeLayout
 
@@ -62,7 +62,7 @@ def group_features(
     c = cp_size
     tokens = float(sum(lengths))
     squares = float(sum(n * n for n in lengths))
-    spilled = sum(max(0.0, n * n / c - spill_elements) for n in lengths)
+    spilled = sum(spilled_elements(n, c, spill_elements) for n in lengths)
     if c == 1:
         return [tokens, squares, 0.0, 0.0, 0.0, 0.0, spilled]
     comm, ring = (nodes.comm_factor, nodes.ring_factor) if nodes and nodes.crosses(c) else (1, 1)

@@ -48,7 +48,7 @@ from megatron_dcp.scheduling.cost_fit import (
     save_profile,
 )
 from megatron_dcp.tools.calibration_worker import Point, TimingJob, measure
-from megatron_dcp.tools.launcher import available_cores
+from megatron_dcp.tools.launcher import available_cores, check_rank_per_core
 from megatron_dcp.tools.cli import positive_int
 
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
@@ -132,12 +132,7 @@ def calibration_parser() -> argparse.ArgumentParser:
 
 def check_options(options: argparse.Namespace) -> None:
     """ValueErrors naming the flag, before anything starts."""
-    cores = available_cores()
-    if options.nproc > cores:
-        raise ValueError(
-            f"--nproc={options.nproc}: this machine gives the process {cores} cores, and ranks "
-            f"that share a core time each other. Use --nproc {cores} or fewer."
-        )
+    check_rank_per_core(options.nproc, "Use --nproc {cores} or fewer.")
     folder = os.path.dirname(os.path.abspath(options.output))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise ValueError(

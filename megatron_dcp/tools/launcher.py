@@ -143,6 +143,17 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def check_rank_per_core(nproc: int, fix: str) -> None:
+    """A ValueError naming ``--nproc`` when the ranks would outnumber the cores: ranks that
+    share a core time each other, not the work. ``fix`` ends the message."""
+    cores = available_cores()
+    if nproc > cores:
+        raise ValueError(
+            f"--nproc={nproc}: this machine gives the process {cores} cores, and ranks that "
+            f"share a core time each other. {fix.format(cores=cores)}"
+        )
+
+
 def worker_env() -> Dict[str, str]:
     """The environment of a training job: one thread per rank, warnings off."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from megatron_dcp.tools import launcher
 from megatron_dcp.tools.bench_train import command
 from megatron_dcp.tools.bench_train.arms import arm_at, parse_arms
 from megatron_dcp.tools.bench_train.command import DigestMismatch, check_digests, training_flags
@@ -97,7 +98,7 @@ def test_digest_check_fails_without_digests(tmp_path):
 
 
 def test_more_ranks_than_cores_is_refused_unless_accepted(monkeypatch):
-    monkeypatch.setattr(command, "available_cores", lambda: 2)
+    monkeypatch.setattr(launcher, "available_cores", lambda: 2)
     command.check_cores(2, oversubscribe=False)
     with pytest.raises(ValueError, match="--nproc=4: .* 2 cores.*--oversubscribe"):
         command.check_cores(4, oversubscribe=False)

@@ -24,7 +24,7 @@ from typing import Dict, List, Sequence
 from megatron_dcp.tools.bench_train.arms import DEFAULT_ARMS, arm_at, parse_arms, runnable
 from megatron_dcp.tools.bench_train.results import BenchResult, collect
 from megatron_dcp.tools.bench_train.worker import PLANS_FILE, SPEC_VARIABLE, TIMES_FILE, BenchSpec
-from megatron_dcp.tools.launcher import TrainingRunError, available_cores
+from megatron_dcp.tools.launcher import TrainingRunError, available_cores, check_rank_per_core
 
 PROG = "megatron-dcp bench-train"
 WORKER_ENTRY = "tools.bench_train.worker"  # run as ``python -m megatron_dcp.<entry>``
@@ -131,12 +131,9 @@ def bench_train(argv: Sequence[str]) -> int:
 
 
 def check_cores(nproc: int, oversubscribe: bool) -> None:
-    cores = available_cores()
-    if nproc > cores and not oversubscribe:
-        raise ValueError(
-            f"--nproc={nproc}: this machine gives the process {cores} cores, and ranks that share "
-            "a core time each other, not the plans. Use --nproc ≤ "
-            f"{cores}, or add --oversubscribe (the report then says so)."
+    if not oversubscribe:
+        check_rank_per_core(
+            nproc, "Use --nproc ≤ {cores}, or add --oversubscribe (the report then says so)."
         )
 
 
