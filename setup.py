@@ -51,7 +51,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "megatron-dcp=megatron_dcp.tools.cli:main",
+            "megatron-dcp=megatron_dcp.tools.cli.main:main",
             "megatron-dcp-pretrain-gpt=megatron_dcp.pretrain_gpt:main",
             "megatron-dcp-pretrain-mamba=megatron_dcp.pretrain_mamba:main",
         ]

@@ -13,6 +13,6 @@ def install_upstream_api() -> List[str]:
     before megatron's model parallelism is initialised; it may be the process's first megatron
     import (also on a CPU machine without triton). Idempotent; returns the patch-table entries
     this call applied."""
-    from megatron_dcp.integration.upstream import install_upstream_api as install
+    from megatron_dcp.integration.patches import install_upstream_api as install
 
     return install()

@@ -32,8 +32,8 @@ import_megatron_core()
 from megatron.training.argument_utils import gpt_config_from_args  # noqa: E402
 
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
-from megatron_dcp.integration.cpu.attention import reference_layer_spec  # noqa: E402
-from megatron_dcp.integration.entry import (  # noqa: E402
+from megatron_dcp.integration.cpu.core_attention import reference_layer_spec  # noqa: E402
+from megatron_dcp.integration.training.entry import (  # noqa: E402
     CPU_DEFAULTS,
     check_args,
     datasets_provider,

@@ -6,7 +6,7 @@
 
 megatron-core's hybrid model (``HybridModel``): layers from ``--hybrid-layer-pattern``
 (``M`` Mamba, ``*`` attention, ``-`` MLP). The DCP flags, data sources and ``[DCP]`` log line
-are pretrain_gpt's (``integration.entry``). Mamba layers under CP constrain the CP sizes a plan
+are pretrain_gpt's (``integration.training.entry``). Mamba layers under CP constrain the CP sizes a plan
 may use; that is checked before the first step. On CPU the model is built from local modules
 with the reference attention and the reference Mamba kernels (docs/mamba.md).
 """
@@ -29,10 +29,10 @@ import_megatron_core()
 
 from megatron.training.argument_utils import hybrid_config_from_args  # noqa: E402
 
-from megatron_dcp.integration.compat import check_mamba_cp  # noqa: E402
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
-from megatron_dcp.integration.cpu.hybrid import reference_hybrid_stack_spec  # noqa: E402
-from megatron_dcp.integration.entry import check_args, start, train  # noqa: E402
+from megatron_dcp.integration.cpu.hybrid_stack import reference_hybrid_stack_spec  # noqa: E402
+from megatron_dcp.integration.model_checks import check_mamba_cp  # noqa: E402
+from megatron_dcp.integration.training.entry import check_args, start, train  # noqa: E402
 
 ENTRY = "pretrain_mamba"
 MAMBA = "M"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_dcp.runtime.plan_guard import check_same_plan
 from megatron_dcp.scheduling import Plan, build_scheduler
 from megatron_dcp.testing import run_distributed
-from megatron_dcp.tools.benchmark import timing_lengths
+from megatron_dcp.tools.benchmark_matrix import timing_lengths
 
 DOMAINS = (64, 1024, 4096)
 WORLD = 8

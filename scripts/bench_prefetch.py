@@ -23,7 +23,7 @@ import time
 from typing import Iterator
 
 from megatron_dcp.integration.config import DCPConfig
-from megatron_dcp.integration.dcp import build_forward_backward
+from megatron_dcp.integration.forward_backward import build_forward_backward
 from megatron_dcp.integration.patches import apply_patches
 from megatron_dcp.testing import run_distributed
 from megatron_dcp.testing.gpt import build_tiny_gpt, init_megatron, make_samples

@@ -43,7 +43,7 @@ assert md.version("verl") == "0.9.1"
 url = json.loads(md.distribution("megatron-dcp").read_text("direct_url.json"))
 assert url["dir_info"].get("editable") and url["url"] == "file://" + sys.argv[1]
 scripts = {ep.name: ep.value for ep in md.entry_points(group="console_scripts")}
-assert scripts.get("megatron-dcp") == "megatron_dcp.tools.cli:main"  # re-install after moves
+assert scripts.get("megatron-dcp") == "megatron_dcp.tools.cli.main:main"  # re-install after moves
 PY
 }
 

@@ -15,17 +15,17 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megatron_dcp.integration.config import DCPConfig, plan_with
-from megatron_dcp.integration.patches.mtp import (
-    MTP_RATIOS_ATTRIBUTE,
-    loss_token_counts,
-    token_ratios,
-)
-from megatron_dcp.integration.schedule import (
+from megatron_dcp.integration.forward_backward import (
     Batch,
     as_sample,
     batch_of,
     pack_group,
     packed_seq_params_of,
+)
+from megatron_dcp.integration.patches.mtp_loss import (
+    MTP_RATIOS_ATTRIBUTE,
+    loss_token_counts,
+    token_ratios,
 )
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, zigzag_slice
@@ -52,7 +52,7 @@ class RankMicroBatch:
     packed_seq_params: Any
 
     def as_batch(self) -> Batch:
-        """The dict ``integration.gpt_step.forward_step`` takes, for megatron's schedules."""
+        """The dict ``integration.training.forward_step.forward_step`` takes, for megatron's schedules."""
         return dict(batch_of(self.packed, self.cp_group), packed_seq_params=self.packed_seq_params)
 
 
@@ -101,11 +101,11 @@ def split_batch(
     """This rank's micro-batches of a mini-batch that every rank holds in full.
 
     ``samples``: dicts with 1-D (or ``[1, L]``) ``tokens``, ``labels``, ``loss_mask``; sample id =
-    index. ``groups``: the DCP process groups (``integration.dcp.create_dcp_groups`` in megatron,
+    index. ``groups``: the DCP process groups (``integration.process_groups.create_dcp_groups`` in megatron,
     whose domain is the DP×CP group). ``plan``: a plan computed ahead (e.g. for the next
     mini-batch, off the critical path); by default it is computed here. ``mtp_depth``: the
     model's MTP layers; each micro-batch then names the mini-batch's MTP token ratios, so the
-    MTP loss is weighted by global token counts (``integration.patches.mtp``).
+    MTP loss is weighted by global token counts (``integration.patches.mtp_loss``).
     """
     clean = [as_sample(sample) for sample in samples]
     seqlens = [int(sample["tokens"].numel()) for sample in clean]

@@ -7,7 +7,7 @@ adapter and tests). Either way the same ``__post_init__`` validates it, before t
 with ``ValueError``s that name the flag, the value and the fix.
 
 The cost model the scheduler plans with is the trained model's (its shape on the backend's
-hardware profile, ``integration.cost_models``) unless ``--dcp-cost-profile`` gives a measured one;
+hardware profile, ``integration.model_cost``) unless ``--dcp-cost-profile`` gives a measured one;
 ``--dcp-cost-adapt`` refines it from measured step times while training runs.
 """
 
@@ -17,14 +17,14 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
-from megatron_dcp.integration.cost_models import (
+from megatron_dcp.integration.data.datasets import add_data_args
+from megatron_dcp.integration.model_cost import (
     cost_model_of,
     default_hardware_name,
     model_shape_from_args,
     model_shape_of,
 )
-from megatron_dcp.integration.data.datasets import add_data_args
-from megatron_dcp.integration.nodes import RANKS_PER_NODE_FLAG, ranks_per_node
+from megatron_dcp.integration.node_layout import RANKS_PER_NODE_FLAG, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile

@@ -29,7 +29,7 @@
 - every micro-batch's most-loaded rank carries at least the micro-batch's mean load.
 
 No plan that keeps the invariants of ``Plan.validate`` has a shorter critical path
-(``tests/unit/test_lower_bound.py`` checks every inequality above, and the property tests check
+(``tests/unit/scheduling/test_lower_bound.py`` checks every inequality above, and the property tests check
 the bound against every scheduler's plans under random coefficients).
 """
 

@@ -17,12 +17,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.integration.cpu.attention import reference_layer_spec, with_core_attention
+from megatron_dcp.integration.cpu.core_attention import reference_layer_spec, with_core_attention
+from megatron_dcp.integration.forward_backward import packed_seq_params_of
 from megatron_dcp.integration.megatron_import import import_megatron_core
-from megatron_dcp.integration.patches import enable_cpu_backend
-from megatron_dcp.integration.schedule import packed_seq_params_of
+from megatron_dcp.integration.model_parallel import init_megatron
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple
-from megatron_dcp.testing.distributed import run_distributed
 from megatron_dcp.testing.hybrid import build_hybrid_chunk, mamba_fields
 from megatron_dcp.testing.moe import (
     global_expert_name,
@@ -31,10 +30,11 @@ from megatron_dcp.testing.moe import (
     moe_fields,
     tensor_parallel_group,
 )
+from megatron_dcp.tools.local_ranks import run_distributed
 
 import_megatron_core()
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -82,27 +82,6 @@ class ReferenceResult:
     loss_sum: float
     num_tokens: int
     grads: dict[str, torch.Tensor] = dataclasses.field(repr=False)
-
-
-def init_megatron(
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    vpp: Optional[int] = None,
-    seed: int = 1234,
-    ep: int = 1,
-) -> None:
-    """Megatron model-parallel state on an initialised (gloo) default group, CPU shims on, RNG
-    seeded. ``parallel_state.destroy_model_parallel()`` afterwards (``run_distributed`` does)."""
-    enable_cpu_backend()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def tiny_gpt_config(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_dcp.integration.cpu.hybrid import reference_hybrid_stack_spec
+from megatron_dcp.integration.cpu.hybrid_stack import reference_hybrid_stack_spec
 
 # hidden 64 → d_inner 128: 8 heads of 16 channels, 2 groups of B/C states of 8.
 MAMBA_FIELDS = dict(mamba_state_dim=8, mamba_head_dim=16, mamba_num_groups=2)

@@ -7,7 +7,7 @@ from typing import Callable, List, Mapping, Sequence
 
 import torch
 
-from megatron_dcp.testing.dcp import DCPStepResult
+from megatron_dcp.testing.dcp_step import DCPStepResult
 from megatron_dcp.testing.gpt import (
     ReferenceResult,
     Sample,

@@ -1,4 +1,4 @@
-"""megatron's communication-overlap options for the training-run helpers (``testing.dcp``): what
+"""megatron's communication-overlap options for the training-run helpers (``testing.dcp_step``): what
 ``megatron.training`` sets up for ``--overlap-grad-reduce``, ``--overlap-param-gather`` (with
 ``--align-param-gather``) and the interleaved schedule's p2p overlap, so that a test runs the
 same schedule hooks as a real training run (tests/integration/test_comm_overlap.py)."""

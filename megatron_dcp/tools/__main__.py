@@ -2,6 +2,6 @@
 
 import sys
 
-from megatron_dcp.tools.cli import main
+from megatron_dcp.tools.cli.main import main
 
 sys.exit(main())

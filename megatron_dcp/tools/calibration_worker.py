@@ -65,7 +65,7 @@ class TimingJob:
 def measure(args: argparse.Namespace, job: TimingJob, nproc: int, timeout_s: float) -> List[float]:
     """Seconds per point of ``job`` measured on ``nproc`` gloo ranks (module docstring); raises
     ``DistributedTestError`` when a rank fails, dies or runs past ``timeout_s``."""
-    from megatron_dcp.testing.distributed import run_distributed
+    from megatron_dcp.tools.local_ranks import run_distributed
 
     per_rank = run_distributed(
         _time_grid,
@@ -99,9 +99,9 @@ def _time_grid(rank: int, world_size: int, args: argparse.Namespace, job: Timing
     ``repeats`` times (several times per pass when short); the timings of every point."""
     # Each forward under megatron's CUDA-RNG tracker stand-in warns once per layer on CPU.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    from megatron_dcp.integration.model_parallel import init_megatron
     from megatron_dcp.integration.patches import apply_patches
     from megatron_dcp.runtime.groups import DCPGroups
-    from megatron_dcp.testing.gpt import init_megatron
 
     init_megatron(seed=args.seed)
     apply_patches()
@@ -142,7 +142,7 @@ def build_model(args: argparse.Namespace) -> Any:
     from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from megatron_dcp.integration.cpu.attention import reference_layer_spec
+    from megatron_dcp.integration.cpu.core_attention import reference_layer_spec
 
     model_config = gpt_config_from_args(args)
     model_config.transformer_layer_spec = reference_layer_spec()
@@ -166,7 +166,7 @@ def _micro_batch(
     (every block packs the same random sequences), or None outside every full block."""
     import torch
 
-    from megatron_dcp.integration.schedule import packed_seq_params_of
+    from megatron_dcp.integration.forward_backward import packed_seq_params_of
     from megatron_dcp.runtime.packing import pack_samples, padding_multiple
 
     c = point.cp_size

@@ -12,9 +12,9 @@ from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE
 from megatron_dcp.scheduling.topology import NodeLayout, node_layout
-from megatron_dcp.tools.cli import error_message
+from megatron_dcp.tools.cli.args import error_message
+from megatron_dcp.tools.plan_report import Report, report, timed_schedule
 from megatron_dcp.tools.plot import Panel, plan_panel
-from megatron_dcp.tools.simulator import Report, report, timed_schedule
 from megatron_dcp.tools.workloads import summarize
 
 # The names that select the peers among ours: megatron-core 0.19.2's hybrid-CP scheduler and

@@ -1,4 +1,4 @@
-"""The independent plan checker and the feasibility oracle of the fuzzer (``tools.fuzz``).
+"""The independent plan checker and the feasibility oracle of the fuzzer (``tools.plan_fuzzer``).
 
 :func:`check_plan` re-derives every plan invariant (docs/architecture.md) from the raw fields of a
 plan, without :meth:`Plan.validate` or :class:`Domain` helpers, so that a bug shared by the schedulers
@@ -160,7 +160,7 @@ def check_plan(plan: Plan, seqlens: Sequence[int], domain: Domain, vpp: Optional
 
 
 class SchedulerInput(Protocol):
-    """What the oracle reads of one scheduler input (``tools.fuzz.FuzzCase`` is one)."""
+    """What the oracle reads of one scheduler input (``tools.plan_fuzzer.FuzzCase`` is one)."""
 
     @property
     def dp_size(self) -> int: ...

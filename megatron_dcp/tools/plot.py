@@ -13,7 +13,7 @@ from typing import Any, List, Sequence, Tuple
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.metrics import rank_loads
 from megatron_dcp.scheduling.plan import Plan
-from megatron_dcp.tools.simulator import Report
+from megatron_dcp.tools.plan_report import Report
 
 _PANEL_WIDTH_IN = 5.0
 _MIN_LABEL_WIDTH_IN = 0.32

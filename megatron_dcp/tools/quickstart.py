@@ -29,12 +29,12 @@ from typing import Dict, List, Sequence, Tuple
 
 from megatron_dcp.scheduling import CostModel, Plan, build_scheduler
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
-from megatron_dcp.tools.launcher import available_cores
-from megatron_dcp.tools.cli import positive_int
+from megatron_dcp.tools.cli.args import positive_int
 from megatron_dcp.tools.launcher import (
     DCPFigures,
     RunLog,
     TrainingRunError,
+    available_cores,
     flag_list,
     run_pretrain,
 )
@@ -85,7 +85,7 @@ DATA_NOTE = {
 
 def sft_model(out: Path) -> Dict[str, object]:
     """:data:`MODEL` on generated conversations and the tokenizer trained on them."""
-    from megatron_dcp.tools.sft_corpus import write_sft_corpus
+    from megatron_dcp.tools.conversation_corpus import write_sft_corpus
 
     paths = write_sft_corpus(out / "sft_data", SFT_CONVERSATIONS)
     return {
@@ -222,9 +222,7 @@ def tokenizer_vocabulary(model: Dict[str, object]) -> int:
     return len(chat_tokenizer_from_dir(str(model["--tokenizer-model"])).tokenizer)
 
 
-def plans_of(
-    model: Dict[str, object], cost: CostModel, lengths: Sequence[int]
-) -> Dict[str, Plan]:
+def plans_of(model: Dict[str, object], cost: CostModel, lengths: Sequence[int]) -> Dict[str, Plan]:
     """One global batch planned by both schedulers under ``cost`` over the runs' domain."""
     plans = {}
     for name in SCHEDULERS:
@@ -253,8 +251,8 @@ def replan(model: Dict[str, object], iters: int) -> Tuple[CostModel, Replanned]:
 
 def plot_first_plans(plans: Dict[str, Plan], cost: CostModel, path: Path) -> None:
     """Draw iteration 1's plans (as the runs made them) side by side."""
+    from megatron_dcp.tools.plan_report import report
     from megatron_dcp.tools.plot import plan_panel, plot_panels
-    from megatron_dcp.tools.simulator import report
 
     panels = [plan_panel(plan, cost, report(name, plan, cost)) for name, plan in plans.items()]
     title = (

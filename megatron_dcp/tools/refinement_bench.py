@@ -98,7 +98,7 @@ WORLDS: Tuple[World, ...] = (
 
 def default_prior(hardware: str = "h100-nvlink") -> CostModel:
     """Training's prior for the default (8B-like) model on ``hardware``: what
-    ``integration.cost_models.cost_model_of`` builds."""
+    ``integration.model_cost.cost_model_of`` builds."""
     return CostModel.from_model_shape(ModelShape(), hardware_profile(hardware))
 
 
@@ -268,8 +268,15 @@ def refinement_table(
     for world in chosen:
         for name in workloads:
             trace = run(
-                world, by_name[name], prior, steps, noise=noise, held_out=held_out,
-                microbatches=microbatches, seed=seed, make_refinement=make_refinement,
+                world,
+                by_name[name],
+                prior,
+                steps,
+                noise=noise,
+                held_out=held_out,
+                microbatches=microbatches,
+                seed=seed,
+                make_refinement=make_refinement,
             )
             lines.append(table_row(world, by_name[name], trace))
     return lines
@@ -304,8 +311,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     workloads = args.workload or DEFAULT_WORKLOADS
     try:
         lines = refinement_table(
-            args.world, workloads, args.steps, args.noise, args.held_out, args.microbatches,
-            args.hardware_profile, args.seed,
+            args.world,
+            workloads,
+            args.steps,
+            args.noise,
+            args.held_out,
+            args.microbatches,
+            args.hardware_profile,
+            args.seed,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -134,7 +134,7 @@ def test_recreating_after_destroy_does_not_reuse_a_name():
 
 
 def _megatron_worker(rank: int, world_size: int, pp: int, cp: int) -> dict:
-    from megatron_dcp.integration.dcp import create_dcp_groups
+    from megatron_dcp.integration.process_groups import create_dcp_groups
     from megatron_dcp.testing.gpt import init_megatron
 
     init_megatron(pp=pp, cp=cp)

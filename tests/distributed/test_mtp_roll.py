@@ -18,7 +18,7 @@ def _rolled_on_cp(rank, world_size, patched):
     from megatron.core.transformer import multi_token_prediction as mtp
 
     from megatron_dcp.integration import patches
-    from megatron_dcp.integration.schedule import packed_seq_params_of
+    from megatron_dcp.integration.forward_backward import packed_seq_params_of
     from megatron_dcp.runtime.packing import pack_samples, padding_multiple, unzigzag
 
     if patched:

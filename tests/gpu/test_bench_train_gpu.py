@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron_dcp.testing.distributed import cuda_device_count
+from megatron_dcp.tools.local_ranks import cuda_device_count
 
 pytestmark = [
     pytest.mark.skipif(cuda_device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)"),
@@ -19,7 +19,7 @@ pytestmark = [
 
 
 def test_two_arms_on_two_gpus(tmp_path):
-    from megatron_dcp.tools.bench_train.command import bench_train
+    from megatron_dcp.tools.cli.bench_train import bench_train
 
     argv = ["--nproc", "2", "--arms", "static,dcp", "--batches", "4", "--warmup", "1"]
     argv += ["--out", str(tmp_path), "--bf16", "--max-seqlen-per-dp-cp-rank", "2048"]

@@ -36,7 +36,7 @@ import torch
 
 from megatron_dcp.runtime.packing import zigzag_slice
 from megatron_dcp.scheduling import Block, Domain
-from megatron_dcp.testing.distributed import cuda_device_count, run_distributed
+from megatron_dcp.tools.local_ranks import cuda_device_count, run_distributed
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 GPUS = cuda_device_count()
@@ -167,8 +167,8 @@ def on_device(params: Any) -> Any:
 def micro_batch(
     name: str, lengths: Sequence[int], size: int, rank: int, group: Any, dynamic: bool, seed: int
 ) -> MicroBatch:
-    """Pack and describe one micro-batch exactly as ``integration.schedule`` does."""
-    from megatron_dcp.integration.schedule import packed_seq_params_of
+    """Pack and describe one micro-batch exactly as ``integration.forward_backward`` does."""
+    from megatron_dcp.integration.forward_backward import packed_seq_params_of
     from megatron_dcp.runtime.packing import pack_samples, padding_multiple
 
     packed = pack_samples(dummy_samples(lengths), size, rank, padding_multiple(size))
@@ -312,7 +312,7 @@ def build_te_attention(config: Any) -> torch.nn.Module:
 def build_reference(config: Any) -> torch.nn.Module:
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_dcp.integration.cpu.attention import ReferenceCoreAttention
+    from megatron_dcp.integration.cpu.core_attention import ReferenceCoreAttention
 
     return ReferenceCoreAttention(config, 1, AttnMaskType.causal, "self")
 
@@ -325,8 +325,8 @@ def compare_worker(rank: int, world_size: int, layout: Layout) -> list[int]:
     import_megatron_core()
     from megatron.core import parallel_state
 
-    from megatron_dcp.integration.dcp import create_dcp_groups
     from megatron_dcp.integration.patches import apply_patches
+    from megatron_dcp.integration.process_groups import create_dcp_groups
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_dcp.tools.bench_train.command import DigestMismatch, bench_train
+from megatron_dcp.tools.cli.bench_train import DigestMismatch, bench_train
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 
 from megatron_dcp.scheduling.cost_fit import FEATURES, load_profile
-from megatron_dcp.tools import cli
-from megatron_dcp.tools.calibrate import (
+from megatron_dcp.tools.calibration import (
     available_cores,
     check_split,
     cp_sizes,
@@ -17,6 +16,7 @@ from megatron_dcp.tools.calibrate import (
     split_hold_out,
 )
 from megatron_dcp.tools.calibration_worker import Point, point_times
+from megatron_dcp.tools.cli import main as cli
 
 TINY_MODEL = [
     "--num-layers", "1",
@@ -142,7 +142,7 @@ def test_the_model_flags_parse_in_a_fresh_interpreter(tmp_path):
     import sys
 
     code = (
-        "from megatron_dcp.tools.calibrate import parse_model_args; "
+        "from megatron_dcp.tools.calibration import parse_model_args; "
         f"print(parse_model_args({[*TINY_MODEL, '--output', str(tmp_path / 'p.json')]!r})"
         ".hidden_size)"
     )

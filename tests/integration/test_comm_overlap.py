@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend only without CUDA"),
 ]
 
-from megatron_dcp.testing.dcp import (  # noqa: E402
+from megatron_dcp.testing.dcp_step import (  # noqa: E402
     dcp_training_run,
     dcp_training_step,
     reference_training_run,

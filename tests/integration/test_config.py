@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dcp.integration.compat import check_model_config
 from megatron_dcp.integration.config import DCPConfig, add_dcp_args, check_budget, flag_error
+from megatron_dcp.integration.model_checks import check_model_config
 from megatron_dcp.scheduling import SCHEDULERS, build_scheduler
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.errors import SchedulingError
-from megatron_dcp.tools.cli import error_message
+from megatron_dcp.tools.cli.args import error_message
 
 GOOD = dict(
     calculate_per_token_loss=True,
@@ -179,9 +179,7 @@ def test_config_errors_name_the_training_flag():
 def test_a_too_large_min_cp_size_lists_exactly_the_sizes_the_domain_admits(
     min_cp_size, domain_size, choices
 ):
-    """"use 1, 2, 4, ... up to N" only when the list is long; "use 1 or 2" on a domain of 2."""
+    """ "use 1, 2, 4, ... up to N" only when the list is long; "use 1 or 2" on a domain of 2."""
     with pytest.raises(ValueError) as info:
-        DCPConfig(max_seqlen_per_dp_cp_rank=8, min_cp_size=min_cp_size).build_scheduler(
-            domain_size
-        )
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, min_cp_size=min_cp_size).build_scheduler(domain_size)
     assert str(info.value).endswith(f"size {domain_size} (dp {domain_size} × cp 1); {choices}")

@@ -14,7 +14,7 @@ from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
 from megatron_dcp.integration.config import DCPConfig, add_dcp_args  # noqa: E402
-from megatron_dcp.integration.cost_models import (  # noqa: E402
+from megatron_dcp.integration.model_cost import (  # noqa: E402
     cost_model_of,
     model_shape_from_args,
     model_shape_of,
@@ -217,8 +217,8 @@ def test_for_model_derives_the_cost_model_and_with_model_fills_one_in():
 
 
 def test_the_log_line_carries_both_step_times_and_the_launcher_reads_them():
-    from megatron_dcp.integration.schedule import BatchStats
-    from megatron_dcp.integration.training import DCPSchedule
+    from megatron_dcp.integration.forward_backward import BatchStats
+    from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
     from megatron_dcp.scheduling.cost_fit import OnlineRefinement
     from megatron_dcp.tools.launcher import parse_log
 
@@ -246,8 +246,14 @@ def test_the_quickstart_replans_with_the_runs_cost_model(pretrain_gpt, sft, tmp_
 
     from megatron_dcp.scheduling import build_scheduler
     from megatron_dcp.tools.launcher import flag_list
-    from megatron_dcp.tools.quickstart import MODEL, NPROC, TP, first_plans, run_cost_model
-    from megatron_dcp.tools.quickstart import sft_model
+    from megatron_dcp.tools.quickstart import (
+        MODEL,
+        NPROC,
+        TP,
+        first_plans,
+        run_cost_model,
+        sft_model,
+    )
 
     rng = random.Random(0)
     lengths = [max(16, min(1024, int(rng.lognormvariate(5.3, 1.2)))) for _ in range(16)]

@@ -17,9 +17,9 @@ from megatron_dcp.testing import run_distributed
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
-from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
-from megatron_dcp.integration.training import DCPSchedule  # noqa: E402
+from megatron_dcp.integration.training.dcp_schedule import DCPSchedule  # noqa: E402
+from megatron_dcp.integration.training.forward_step import forward_step  # noqa: E402
 from megatron_dcp.scheduling.cost_fit import WARM_UP_STEPS, coefficients  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     Sample,

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.integration.cpu.attention import ReferenceCoreAttention, with_core_attention
+from megatron_dcp.integration.cpu.core_attention import ReferenceCoreAttention, with_core_attention
 from megatron_dcp.integration.patches import (
     cpu_backend_enabled,
     disable_cpu_backend,

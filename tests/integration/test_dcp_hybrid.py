@@ -16,7 +16,7 @@ from megatron_dcp.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
-from megatron_dcp.testing.dcp import (  # noqa: E402
+from megatron_dcp.testing.dcp_step import (  # noqa: E402
     dcp_training_run,
     dcp_training_step,
     reference_training_run,

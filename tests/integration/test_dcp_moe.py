@@ -26,8 +26,8 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend only without CUDA"),
 ]
 
-from megatron_dcp.integration.compat import check_moe  # noqa: E402
-from megatron_dcp.testing.dcp import dcp_training_step  # noqa: E402
+from megatron_dcp.integration.model_checks import check_moe  # noqa: E402
+from megatron_dcp.testing.dcp_step import dcp_training_step  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     ReferenceResult,
     TinyGPTOptions,
@@ -225,8 +225,11 @@ def test_start_up_refuses_moe_recompute_and_accepts_tp():
 
 def tp_cp_groups_worker(rank, world_size):
     """This rank's TP×CP groups at tp2·cp2 (DP 1): ranks per CP size, communicator counts."""
-    from megatron_dcp.integration.dcp import create_dcp_groups
-    from megatron_dcp.integration.moe_groups import create_tp_cp_groups, tp_cp_group_for
+    from megatron_dcp.integration.process_groups import (
+        create_dcp_groups,
+        create_tp_cp_groups,
+        tp_cp_group_for,
+    )
     from megatron_dcp.scheduling import CPGroup
 
     init_megatron(tp=2, cp=2)

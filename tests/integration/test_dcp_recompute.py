@@ -28,7 +28,7 @@ pytestmark = [
 
 from megatron.core.extensions.transformer_engine import HAVE_TE  # noqa: E402
 
-from megatron_dcp.testing.dcp import DCPStepResult, dcp_training_step  # noqa: E402
+from megatron_dcp.testing.dcp_step import DCPStepResult, dcp_training_step  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     TinyGPTOptions,
     build_tiny_gpt,

@@ -18,7 +18,7 @@ pytestmark = [
 ]
 
 from megatron_dcp.integration.cpu.parallel import CudaTypeNames  # noqa: E402
-from megatron_dcp.testing.dcp import (  # noqa: E402
+from megatron_dcp.testing.dcp_step import (  # noqa: E402
     dcp_training_run,
     reference_training_run,
     with_ddp_and_adam,

@@ -13,7 +13,7 @@ Read from the Markdown (docs/*.md, README.md, tests/README.md), two forms:
   positional arguments; ``...`` stands for arguments left out).
 
 Names resolve through the block's own imports, then ``megatron_dcp.adapters`` (rl.md's API
-imports), ``megatron_dcp``, and dotted paths inside the package (``integration.dcp.X``); dev's
+imports), ``megatron_dcp``, and dotted paths inside the package (``integration.forward_backward.X``); dev's
 names that ``install_upstream_api()`` backs resolve to megatron_dcp's object. Names of other
 libraries and names that resolve nowhere (methods such as ``as_batch()``) are not checked,
 except in a signature block, where every entry must resolve.
@@ -43,7 +43,7 @@ SEARCHED = ("megatron_dcp.adapters", "megatron_dcp")
 # dev's names that megatron_dcp puts in place (docs/rl.md, "verl"), by where the code defines them.
 BACKED = {
     "megatron.core.datasets.data_schedule.DefaultDynamicCPScheduler": (
-        "megatron_dcp.integration.upstream.DefaultDynamicCPScheduler"
+        "megatron_dcp.integration.megatron_dev_api.DefaultDynamicCPScheduler"
     ),
 }
 CALL_START = re.compile(r"(?<![\w.])([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*)\(")
@@ -218,8 +218,10 @@ def check_call(call: ast.Call, snippet: Snippet) -> Optional[str]:
     unknown = sorted(set(keywords) - set(signature.parameters))
     if unknown and not takes_any_keyword(signature):
         return f"{snippet.where}: {name}{signature} has no parameter {', '.join(unknown)}"
-    if elided or any(k.arg is None for k in call.keywords) or any(
-        isinstance(a, ast.Starred) for a in call.args
+    if (
+        elided
+        or any(k.arg is None for k in call.keywords)
+        or any(isinstance(a, ast.Starred) for a in call.args)
     ):
         return None
     try:

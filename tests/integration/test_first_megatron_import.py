@@ -37,7 +37,7 @@ REPORT = """
 import inspect, json
 from megatron.core import parallel_state
 from megatron.core.datasets import data_schedule
-from megatron_dcp.integration.patches.upstream import UPSTREAM_NAMES, has_name
+from megatron_dcp.integration.patches.dev_api import UPSTREAM_NAMES, has_name
 print(json.dumps({
     "before": before,
     "installed": installed,
@@ -69,7 +69,7 @@ def test_entry_point_is_the_first_megatron_import_without_triton(entry_point, tm
     assert result["before"] == []  # nothing imported megatron before the entry point
     assert {"upstream_scheduler", "upstream_initialize"} <= set(result["installed"])
     assert all(result["names"].values()), result["names"]
-    assert result["scheduler"] == "megatron_dcp.integration.upstream"
+    assert result["scheduler"] == "megatron_dcp.integration.megatron_dev_api"
     assert "Stand-in" in result["stand-in"]
 
 

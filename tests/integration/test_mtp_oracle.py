@@ -3,7 +3,7 @@ the layers they feed included.
 
 megatron weighs each MTP depth of a micro-batch by that micro-batch's own token ratio, so its
 MTP gradient depends on the packing. With DCP the ratio is the global batch's
-(``integration.patches.mtp``): the gradient of one plan equals that of one micro-batch holding
+(``integration.patches.mtp_loss``): the gradient of one plan equals that of one micro-batch holding
 the whole batch without CP, which megatron's own rule computes in a single process. That run is
 the reference here (one packed micro-batch, no CP, megatron's ``process_mtp_loss``), for the DCP
 step and for the RL adapter's loop."""
@@ -19,8 +19,8 @@ from megatron_dcp.testing import run_distributed
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
-from megatron_dcp.integration.patches import mtp as mtp_patch  # noqa: E402
-from megatron_dcp.testing.dcp import dcp_training_step  # noqa: E402
+from megatron_dcp.integration.patches import mtp_loss as mtp_patch  # noqa: E402
+from megatron_dcp.testing.dcp_step import dcp_training_step  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     ReferenceResult,
     TinyGPTOptions,
@@ -105,7 +105,7 @@ def adapter_step(rank: int, world_size: int, samples, depth: int):
     from megatron_dcp.adapters import split_batch, token_mean_loss
     from megatron_dcp.adapters.loss import split_loss_scale
     from megatron_dcp.integration.config import DCPConfig
-    from megatron_dcp.integration.dcp import create_dcp_groups
+    from megatron_dcp.integration.process_groups import create_dcp_groups
 
     init_megatron(cp=2, seed=options(depth).seed)
     apply_patches()

@@ -15,9 +15,9 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="gloo entries: CPU backend only"),
 ]
 
-from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
-from megatron_dcp.testing.dcp import global_loss  # noqa: E402
+from megatron_dcp.integration.training.forward_step import forward_step  # noqa: E402
+from megatron_dcp.testing.dcp_step import global_loss  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     ReferenceResult,
     TinyGPTOptions,

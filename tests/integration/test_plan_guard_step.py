@@ -10,7 +10,7 @@ from megatron_dcp.testing import run_distributed
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
-from megatron_dcp.integration.dcp import build_forward_backward  # noqa: E402
+from megatron_dcp.integration.forward_backward import build_forward_backward  # noqa: E402
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
 from megatron_dcp.runtime.plan_guard import PlanMismatchError  # noqa: E402
 from megatron_dcp.testing.gpt import build_tiny_gpt, init_megatron, make_samples  # noqa: E402

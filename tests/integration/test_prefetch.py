@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-cor
 import torch  # noqa: E402
 
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
-from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
-from megatron_dcp.integration.training import DCPSchedule  # noqa: E402
+from megatron_dcp.integration.training.dcp_schedule import DCPSchedule  # noqa: E402
+from megatron_dcp.integration.training.forward_step import forward_step  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     TinyGPTOptions,
     build_tiny_gpt,

@@ -29,9 +29,9 @@ from megatron_dcp.adapters import (  # noqa: E402
     token_mean_loss,
     token_mean_scale,
 )
-from megatron_dcp.integration.dcp import create_dcp_groups  # noqa: E402
-from megatron_dcp.integration.gpt_step import forward_step  # noqa: E402
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
+from megatron_dcp.integration.process_groups import create_dcp_groups  # noqa: E402
+from megatron_dcp.integration.training.forward_step import forward_step  # noqa: E402
 from megatron_dcp.runtime.packing import pack_samples  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     Sample,

@@ -19,7 +19,7 @@ from megatron_dcp.adapters import (  # noqa: E402
     shard_per_token,
     split_batch,
 )
-from megatron_dcp.integration.dcp import create_dcp_groups  # noqa: E402
+from megatron_dcp.integration.process_groups import create_dcp_groups  # noqa: E402
 from megatron_dcp.scheduling import CPGroup, Domain, MicroBatch, Plan  # noqa: E402
 from megatron_dcp.testing.gpt import init_megatron, make_samples  # noqa: E402
 

@@ -16,7 +16,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend only without CUDA"),
 ]
 
-from megatron_dcp.testing.dcp import dcp_training_step  # noqa: E402
+from megatron_dcp.testing.dcp_step import dcp_training_step  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     TinyGPTOptions,
     make_samples,

@@ -11,7 +11,7 @@ import pytest
 from megatron_dcp.integration.data.chat import ChatTokenizer, chat_tokenizer_from_dir, checked
 from megatron_dcp.integration.data.datasets import build_varlen_datasets
 from megatron_dcp.integration.data.sft import SFTOptions, encode
-from megatron_dcp.tools.sft_corpus import write_sft_corpus
+from megatron_dcp.tools.conversation_corpus import write_sft_corpus
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 Q1 = {"role": "user", "content": "kaka lomi ne"}

@@ -6,8 +6,8 @@ conversations (the same losses as the uninterrupted run)."""
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.tools.conversation_corpus import write_sft_corpus
 from megatron_dcp.tools.launcher import flag_list, run_pretrain
-from megatron_dcp.tools.sft_corpus import write_sft_corpus
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 

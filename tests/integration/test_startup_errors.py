@@ -137,7 +137,7 @@ def test_b_a_typo_is_one_error_line_after_the_dcp_flags_usage(pretrain_gpt, caps
 
 def test_b_only_rank_0_prints_a_typo(pretrain_gpt, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr("megatron_dcp.integration.startup.RANK0_GRACE_S", 0.0)
+    monkeypatch.setattr("megatron_dcp.integration.training.startup_errors.RANK0_GRACE_S", 0.0)
     assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100") == 2
     assert capsys.readouterr() == ("", "")
 
@@ -150,7 +150,7 @@ def test_help_lists_every_flag_despite_megatrons_percent_sign(pretrain_gpt, caps
 
 
 def test_held_output_is_shown_when_start_up_passes_and_dropped_when_refused(capfd):
-    from megatron_dcp.integration.startup import held_stdout, startup_checks
+    from megatron_dcp.integration.training.startup_errors import held_stdout, startup_checks
 
     with held_stdout():
         print("the argument dump")

@@ -72,7 +72,7 @@ def test_install_is_idempotent_and_returns_what_it_installed():
     assert result["second"] == []
     assert result["keyword"] and result["field"] is False and result["default"] is False
     assert "dynamic_context_parallel=False" in result["refused"]
-    assert result["scheduler"] == "megatron_dcp.integration.upstream"
+    assert result["scheduler"] == "megatron_dcp.integration.megatron_dev_api"
 
 
 def install_over_native_names(rank: int, world_size: int) -> dict:
@@ -157,7 +157,7 @@ def test_dynamic_groups_are_aligned_blocks_of_the_domain():
 def test_scheduler_interface_returns_megatron_dcp_plans():
     """dev's ``get_groups_and_subsamples``: per micro-batch, every rank's sample ids; the ranks
     of a group hold the same list; ids are the caller's."""
-    from megatron_dcp.integration.upstream import DefaultDynamicCPScheduler
+    from megatron_dcp.integration.megatron_dev_api import DefaultDynamicCPScheduler
     from megatron_dcp.scheduling import build_scheduler
 
     lengths = [350, 20, 30, 90, 10, 64, 1, 7, 200]
@@ -178,7 +178,7 @@ def test_scheduler_interface_returns_megatron_dcp_plans():
 
 
 def test_scheduler_interface_rejects_a_sequence_longer_than_the_domain():
-    from megatron_dcp.integration.upstream import DefaultDynamicCPScheduler
+    from megatron_dcp.integration.megatron_dev_api import DefaultDynamicCPScheduler
 
     scheduler = DefaultDynamicCPScheduler(max_seqlen_per_dp_cp_rank=100, cp_size=2, dp_size=2)
     with pytest.raises(ValueError, match="max_seqlen_per_dp_cp_rank"):

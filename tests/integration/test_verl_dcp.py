@@ -23,6 +23,10 @@ from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
+for extra_module in ("verl", "tensordict"):
+    pytest.importorskip(
+        extra_module, reason="needs the `verl` extra (scripts/setup_env.sh installs it)"
+    )
 
 import torch  # noqa: E402
 from test_rl_adapter import OPTIONS, adapter_step, random_lengths, reference_step  # noqa: E402

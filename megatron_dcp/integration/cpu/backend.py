@@ -1,6 +1,6 @@
 """Stand-ins that run megatron-core 0.19.2 on a machine without CUDA (tests, CI, CPU runs).
 
-They are installed by the patch table (``integration/patches/cpu.py``, group ``cpu_backend``),
+They are installed by the patch table (``integration/patches/cpu_backend.py``, group ``cpu_backend``),
 only when ``torch.cuda.is_available()`` is False; docs/cpu_backend.md explains each one:
 
 * ``CudaToCpuMode``: rotary embeddings, the default causal mask, the pipeline schedules, p2p

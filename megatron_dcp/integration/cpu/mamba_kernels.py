@@ -20,7 +20,7 @@ window nor the SSM state crosses a sequence boundary. The scan is computed in it
 ("attention") form per batch row, O(length²) memory per head: exact whatever ``chunk_size`` is,
 and meant for the short sequences of CPU runs. ``initial_states`` and final states (inference)
 are not supported. The GPU path uses the real packages; the patch table installs these only
-when CUDA is absent (``integration.patches.cpu``).
+when CUDA is absent (``integration.patches.cpu_backend``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CPU stand-ins for megatron's sequence parallelism and distributed optimizer.
+"""CPU stand-ins for megatron's sequence parallelism, distributed optimizer and gradient clip.
 
 Both features need reduce-scatter and all-gather into one tensor; gloo provides them natively in
 the pinned torch (2.13), so no collective is replaced. What stops them on CPU is elsewhere:
@@ -15,8 +15,12 @@ the pinned torch (2.13), so no collective is replaced. What stops them on CPU is
   parameter (``torch.FloatTensor``) is a ``TypeError``. While the constructor runs, ``type()``
   of a CPU tensor answers its CUDA name, so CPU parameters take the path of their dtype.
 
-The patch table (``integration/patches/cpu.py``, group ``cpu_backend``) installs both, only
-without CUDA; docs/cpu_backend.md explains them.
+* ``clip_grad_by_total_norm_cpu``: megatron.training's gradient clip scales the gradients with a
+  CUDA multi-tensor kernel; the stand-in applies the same factor tensor by tensor.
+
+The patch table (``integration/patches/cpu_backend.py``, groups ``cpu_backend`` and
+``cpu_training``) installs them, only without CUDA; docs/cpu_backend.md explains them.
+``cpu_notice`` is the line a CPU training run starts with.
 """
 
 from __future__ import annotations
@@ -72,3 +76,26 @@ def cuda_type_names(original_init: Callable) -> Callable:
             original_init(self, *args, **kwargs)
 
     return __init__
+
+
+def clip_grad_by_total_norm_cpu(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))`` (megatron's rule)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    factor = max_norm / (total_norm + 1.0e-6)
+    if factor >= 1.0:
+        return
+    for param in parameters:
+        grad = param.decoupled_grad if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(factor)
+
+
+def cpu_notice() -> str:
+    """The start-up line of a training run on the CPU backend."""
+    return (
+        "megatron_dcp: no CUDA device, using the CPU backend (gloo, fp32, reference THD/CP "
+        "attention); see docs/cpu_backend.md"
+    )

@@ -10,7 +10,7 @@ Groups, applied by the functions below (each idempotent; each entry restorable):
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
 - ``training``: Python 3.11 support for megatron.training and the DCP schedule hook;
 - ``upstream``: megatron-core dev's dynamic-CP names on 0.19.x, where they are missing
-  (``megatron_dcp.install_upstream_api``).
+  (:func:`install_upstream_api`, which ``megatron_dcp.install_upstream_api`` calls).
 
 ``python -m megatron_dcp.integration.patches`` prints the table. A test checks that no module
 outside this package assigns to an attribute of megatron (or of any other imported module).
@@ -21,8 +21,10 @@ from __future__ import annotations
 import os
 from typing import List, Sequence, Tuple
 
-from megatron_dcp.integration.patches.cpu import CPU_BACKEND_PATCHES, CPU_TRAINING_PATCHES
-from megatron_dcp.integration.patches.dcp import (
+from megatron_dcp.integration.megatron_dev_api import INSTALL, dynamic_groups_created
+from megatron_dcp.integration.megatron_import import require_megatron_core
+from megatron_dcp.integration.patches.backward_timing import TIMING_PATCHES, timed, timing_backward
+from megatron_dcp.integration.patches.cp_switching import (
     DCP_PATCHES,
     SOLO_GROUP,
     TP_CP_GROUP_ATTRIBUTE,
@@ -35,19 +37,22 @@ from megatron_dcp.integration.patches.dcp import (
     switching,
     te_attention_forward,
 )
-from megatron_dcp.integration.patches.mtp import MTP_PATCHES
-from megatron_dcp.integration.patches.pipeline import PIPELINE_PATCHES
+from megatron_dcp.integration.patches.cpu_backend import (
+    CPU_BACKEND_PATCHES,
+    CPU_TRAINING_PATCHES,
+    cpu_backend_enabled,
+)
+from megatron_dcp.integration.patches.dev_api import UPSTREAM_PATCHES
+from megatron_dcp.integration.patches.gloo_pipeline import PIPELINE_PATCHES
+from megatron_dcp.integration.patches.megatron_training import TRAINING_PATCHES, use_schedule
+from megatron_dcp.integration.patches.mtp_loss import MTP_PATCHES
 from megatron_dcp.integration.patches.table import (
     Entry,
     apply,
     check_version,
-    is_applied,
     megatron_version,
     restore,
 )
-from megatron_dcp.integration.patches.timing import TIMING_PATCHES, timed, timing_backward
-from megatron_dcp.integration.patches.training import TRAINING_PATCHES, use_schedule
-from megatron_dcp.integration.patches.upstream import UPSTREAM_PATCHES
 
 PATCHES: Tuple[Entry, ...] = (
     *TRAINING_PATCHES,
@@ -92,10 +97,6 @@ def enable_cpu_backend() -> bool:
     return cpu_backend_enabled()
 
 
-def cpu_backend_enabled() -> bool:
-    return is_applied(CPU_BACKEND_PATCHES[0])
-
-
 def disable_cpu_backend() -> None:
     """Undo :func:`enable_cpu_backend` (on the thread that enabled it)."""
     restore_groups(("cpu_backend",))
@@ -109,6 +110,26 @@ def enable_cpu_training() -> bool:
         # Argument validation requires it for tp or cp > 1 (it orders CUDA kernel launches).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return cpu_backend_enabled()
+
+
+def install_upstream_api() -> List[str]:
+    """Make megatron-core dev's dynamic-CP names available (module docstring). Call it once per
+    process before ``parallel_state.initialize_model_parallel``; idempotent. Returns the names
+    of the patch-table entries this call applied ([] when all were applied already or native).
+    May be the process's first megatron import: megatron-core is imported through the package's
+    import path first (the CPU stand-in of its triton module where triton is missing).
+    """
+    require_megatron_core(INSTALL)
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and not dynamic_groups_created():
+        raise RuntimeError(
+            f"{INSTALL} was called after parallel_state.initialize_model_parallel: model "
+            "parallelism is initialised without dynamic DP×CP groups. Call it first (before any "
+            "engine initialises megatron), or call parallel_state.destroy_model_parallel() and "
+            "initialise again with dynamic_context_parallel=True."
+        )
+    return apply_groups(("upstream", "dcp"))
 
 
 def describe() -> str:
@@ -137,6 +158,7 @@ __all__ = [
     "enable_cpu_backend",
     "enable_cpu_training",
     "entries",
+    "install_upstream_api",
     "megatron_version",
     "micro_batch_cp_group",
     "restore_groups",

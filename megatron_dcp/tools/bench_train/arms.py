@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from megatron_dcp.integration.cost_models import predicted_step_time
+from megatron_dcp.integration.model_cost import predicted_step_time
 from megatron_dcp.scheduling import CostModel, Plan
 from megatron_dcp.scheduling.cost_fit import rank_features
 from megatron_dcp.scheduling.default_dynamic_cp import DefaultDynamicCPScheduler

@@ -105,7 +105,7 @@ class DigestingIterator:
         return self
 
     def __next__(self) -> Any:
-        from megatron_dcp.integration.schedule import SAMPLE_KEYS, as_sample
+        from megatron_dcp.integration.forward_backward import SAMPLE_KEYS, as_sample
 
         item = next(self.inner)
         sample = as_sample(item)
@@ -123,7 +123,7 @@ def bench_schedule_class(spec: BenchSpec) -> type:
     """The DCP schedule of a benchmark run (built after megatron is importable)."""
     import torch.distributed as dist
 
-    from megatron_dcp.integration.training import DCPSchedule
+    from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
     from megatron_dcp.tools.bench_train.arms import ArmRotation, as_record
 
     class BenchSchedule(DCPSchedule):
@@ -183,7 +183,7 @@ def main() -> None:
 
     spec = BenchSpec.from_env()
     args, config, model_config = importlib.import_module(f"megatron_dcp.{spec.entry}").prepare()
-    from megatron_dcp.integration.entry import datasets_provider, train
+    from megatron_dcp.integration.training.entry import datasets_provider, train
 
     train(
         args,

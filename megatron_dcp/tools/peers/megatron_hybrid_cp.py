@@ -23,8 +23,8 @@ from typing import Dict, List, Sequence, Tuple
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.lower_bound import batch_lower_bound
+from megatron_dcp.tools.plan_report import Report
 from megatron_dcp.tools.plot import Cell, Panel, panel_title
-from megatron_dcp.tools.simulator import Report
 
 PEER_NAME = "megatron-0.19.2 BalancedCPScheduler"
 

@@ -1,0 +1,164 @@
+"""The ``upstream`` group of the patch table: megatron-core dev's dynamic-CP names on 0.19.x
+(what they do: :mod:`megatron_dcp.integration.megatron_dev_api`). Each entry applies only where the
+installed megatron-core lacks its name, so a megatron-core that has it natively is left alone."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Tuple
+
+from megatron_dcp.integration.patches.table import MISSING, Condition, Patch, resolve
+
+PARALLEL_STATE = "megatron.core.parallel_state"
+DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
+CONFIG_FIELD = "dynamic_context_parallel"
+# The config classes whose generated __init__ must accept the field (dataclass subclasses
+# generate their own __init__, which does not call their parent's).
+CONFIG_CLASSES = (
+    "megatron.core.model_parallel_config:ModelParallelConfig",
+    "megatron.core.transformer.transformer_config:TransformerConfig",
+    "megatron.core.transformer.transformer_config:MLATransformerConfig",
+)
+UPSTREAM_NAMES = (
+    f"{DATA_SCHEDULE}:DefaultDynamicCPScheduler",
+    f"{PARALLEL_STATE}:get_dynamic_data_context_parallel_groups",
+    f"{PARALLEL_STATE}:initialize_model_parallel({CONFIG_FIELD}=)",
+    f"{CONFIG_CLASSES[0]}.{CONFIG_FIELD}",
+)
+
+
+def _attribute(target: str) -> Any:
+    return getattr(*resolve(target), MISSING)
+
+
+def has_name(name: str) -> bool:
+    """Whether megatron-core has one of :data:`UPSTREAM_NAMES` (natively or patched in)."""
+    if name.endswith(f"({CONFIG_FIELD}=)"):
+        initialize = _attribute(name.split("(")[0])
+        return CONFIG_FIELD in inspect.signature(initialize).parameters
+    return _attribute(name) is not MISSING
+
+
+def _lacks(name: str) -> Condition:
+    return Condition(f"megatron-core lacks {name.split(':')[-1]}", lambda: not has_name(name))
+
+
+def _scheduler(owner: Any, original: Any) -> Any:
+    from megatron_dcp.integration.megatron_dev_api import DefaultDynamicCPScheduler
+
+    return DefaultDynamicCPScheduler
+
+
+def _group_getter(owner: Any, original: Any) -> Callable[..., Any]:
+    from megatron_dcp.integration.megatron_dev_api import dynamic_group
+
+    def get_dynamic_data_context_parallel_groups(check_initialized=True, group_size=None):
+        """This rank's dynamic DP×CP group of ``group_size`` ranks (megatron_dcp)."""
+        return dynamic_group(group_size, check_initialized)
+
+    return get_dynamic_data_context_parallel_groups
+
+
+def _initialize(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``initialize_model_parallel`` with the keyword: megatron's, then the dynamic groups."""
+    from megatron_dcp.integration.megatron_dev_api import create_dynamic_groups
+
+    @functools.wraps(original)
+    def initialize_model_parallel(*args: Any, dynamic_context_parallel: bool = False, **kwargs):
+        original(*args, **kwargs)
+        if dynamic_context_parallel:
+            create_dynamic_groups()
+
+    signature = inspect.signature(original)
+    keyword = inspect.Parameter(CONFIG_FIELD, inspect.Parameter.KEYWORD_ONLY, default=False)
+    initialize_model_parallel.__signature__ = signature.replace(
+        parameters=[*signature.parameters.values(), keyword]
+    )
+    return initialize_model_parallel
+
+
+def _destroy(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    from megatron_dcp.integration.megatron_dev_api import destroy_dynamic_groups
+
+    @functools.wraps(original)
+    def destroy_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        destroy_dynamic_groups()
+        return original(*args, **kwargs)
+
+    return destroy_model_parallel
+
+
+def _config_init(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A config ``__init__`` that accepts ``dynamic_context_parallel``. megatron_dcp plans
+    outside the pipeline schedule (verl's engine, ``megatron_dcp.adapters``, pretrain_gpt's
+    wrapper), so the schedule-driven mode of dev (True) is refused with the fix."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, dynamic_context_parallel: bool = False, **kwargs: Any):
+        if dynamic_context_parallel:
+            raise ValueError(
+                f"{type(self).__name__}(dynamic_context_parallel=True): megatron_dcp plans "
+                "each global batch before the pipeline schedule (verl's dynamic CP engine, "
+                "megatron_dcp.adapters, or pretrain_gpt --dynamic-context-parallel), not inside "
+                "it; pass dynamic_context_parallel=False (verl does)."
+            )
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
+# Entries that share a condition come in an order where applying one does not end the condition
+# of the next (the keyword's entry last, the field's after the constructors).
+UPSTREAM_PATCHES: Tuple[Patch, ...] = (
+    Patch(
+        "upstream_scheduler",
+        "upstream",
+        (UPSTREAM_NAMES[0],),
+        "megatron-core 0.19.x has no DefaultDynamicCPScheduler (dev's dynamic-CP planner).",
+        _scheduler,
+        when=_lacks(UPSTREAM_NAMES[0]),
+    ),
+    Patch(
+        "upstream_group_getter",
+        "upstream",
+        (UPSTREAM_NAMES[1],),
+        "megatron-core 0.19.x names its per-size DP×CP groups get_hybrid_data_context_"
+        "parallel_groups and has no one-rank group.",
+        _group_getter,
+        when=_lacks(UPSTREAM_NAMES[1]),
+    ),
+    Patch(
+        "upstream_destroy",
+        "upstream",
+        (f"{PARALLEL_STATE}:destroy_model_parallel",),
+        "destroy_model_parallel must also destroy the dynamic groups initialize created.",
+        _destroy,
+        when=_lacks(UPSTREAM_NAMES[2]),
+    ),
+    Patch(
+        "upstream_initialize",
+        "upstream",
+        (f"{PARALLEL_STATE}:initialize_model_parallel",),
+        "megatron-core 0.19.x's initialize_model_parallel has no dynamic_context_parallel "
+        "keyword (engines check its signature).",
+        _initialize,
+        when=_lacks(UPSTREAM_NAMES[2]),
+    ),
+    Patch(
+        "upstream_config_init",
+        "upstream",
+        tuple(f"{name}.__init__" for name in CONFIG_CLASSES),
+        "megatron-core 0.19.x's config constructors reject dynamic_context_parallel=.",
+        _config_init,
+        when=_lacks(UPSTREAM_NAMES[3]),
+    ),
+    Patch(
+        "upstream_config_field",
+        "upstream",
+        (UPSTREAM_NAMES[3],),
+        "megatron-core 0.19.x's configs have no dynamic_context_parallel field (its default).",
+        lambda owner, original: False,
+        when=_lacks(UPSTREAM_NAMES[3]),
+    ),
+)

@@ -1,0 +1,192 @@
+"""DCP inside ``megatron.training``: the schedule that ``pretrain``'s training and evaluation loops
+run in place of megatron's forward-backward function, the online refinement of its cost model,
+and its ``[DCP]`` log line."""
+
+from __future__ import annotations
+
+import atexit
+import math
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.integration.config import DCPConfig
+from megatron_dcp.integration.forward_backward import BatchStats, DCPForwardBackward
+from megatron_dcp.integration.node_layout import describe_layout
+from megatron_dcp.integration.patches import apply_groups, timed, timing_backward, use_schedule
+from megatron_dcp.integration.patches.backward_timing import BusyClock
+from megatron_dcp.runtime.exchange import collective_device
+from megatron_dcp.scheduling.cost_fit import OnlineRefinement, rank_features
+from megatron_dcp.scheduling.metrics import imbalance as max_over_mean
+
+# Short names of the refined coefficients in the log line (cost_fit.FEATURES, in order).
+COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb", "spill")
+
+
+class DCPSchedule:
+    """Stands in for megatron's forward-backward function inside ``megatron.training``: builds
+    the :class:`DCPForwardBackward` on its first call (the model's config is known then and the
+    model-parallel groups exist), refines the cost model after every training step (unless
+    ``cost_adapt`` is off) and logs the DCP figures of every training iteration."""
+
+    def __init__(
+        self,
+        config: DCPConfig,
+        log: Callable[[str], None],
+        iteration: Optional[Callable[[], int]] = None,
+        last_iteration: Optional[Callable[[], bool]] = None,
+    ) -> None:
+        """``iteration`` returns the number of the training iteration being run (megatron's,
+        which continues after a resume); default: count the training calls.
+        ``last_iteration`` says whether it is the last (no next batch to prefetch then)."""
+        self.config, self.log = config, log
+        self.last_iteration = last_iteration or (lambda: False)
+        self.wrapper: Optional[DCPForwardBackward] = None
+        self.refinement: Optional[OnlineRefinement] = None
+        self.calls = 0
+        self.iteration = iteration or (lambda: self.calls)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        wrapper = self.wrapper or self.build(kwargs["model"])
+        forward = BusyClock()
+        step = timed(kwargs.pop("forward_step_func"), forward)
+        start = time.perf_counter()
+        wrapper.prefetch_next = not self.last_iteration()
+        with timing_backward() as backward:
+            losses = wrapper(forward_step_func=step, **kwargs)
+        if not kwargs.get("forward_only", False):
+            self.calls += 1
+            elapsed = time.perf_counter() - start
+            times = busy_times(forward.busy_s + backward.busy_s, wrapper.domain_group)
+            self.refine(times)
+            self.log(self.describe(wrapper.stats[-1], elapsed, times))
+        return losses
+
+    def build(self, model: Any) -> DCPForwardBackward:
+        from megatron.core.utils import get_model_config
+
+        from megatron_dcp.integration.forward_backward import build_forward_backward
+
+        chunks = model if isinstance(model, list) else [model]
+        self.wrapper = build_forward_backward(get_model_config(chunks[0]), self.config)
+        atexit.register(self.wrapper.close)  # an early exit (signal, --exit-interval) joins too
+        if self.wrapper.config.cost_adapt:
+            self.refinement = OnlineRefinement(self.wrapper.scheduler.cost_model)
+        self.log(" " + self.wrapper.groups.report())
+        self.log(" " + describe_layout(self.wrapper.scheduler.cost_model.nodes))
+        self.log(" " + describe_prefetch(self.wrapper))
+        return self.wrapper
+
+    def refine(self, times: Sequence[float]) -> None:
+        """Fit the cost model to the measured ``times`` of the step's plan (the same floats in the
+        same order on every rank) and plan the next global batch with it."""
+        if self.refinement is None or self.wrapper is None or self.wrapper.plan is None:
+            return
+        prior = self.refinement.prior
+        rows = rank_features(self.wrapper.plan, prior.nodes, prior.spill_elements)
+        cost = self.refinement.update(rows, times)
+        self.wrapper.use_cost_model(cost)
+
+    def describe(self, stats: BatchStats, elapsed_s: float, times: Sequence[float]) -> str:
+        """One log line. ``times`` are the busy forward-backward seconds per position (see
+        :func:`busy_times`): the measured imbalance is their max/mean, the measured step time
+        their max; the predicted step time is the plan's under the cost model that planned it."""
+        sizes = " ".join(f"{size}:{count}" for size, count in stats.cp_size_histogram.items())
+        line = (
+            f" [DCP] iteration {self.iteration():8d} | micro-batches: {stats.num_microbatches} | "
+            f"CP sizes (size:seqs): {sizes} | plan time (ms): {stats.plan_time_s * 1e3:.1f} | "
+            f"load imbalance est./meas.: {stats.estimated_imbalance:.3f}/"
+            f"{max_over_mean(list(times)):.3f} | "
+            f"fwd-bwd time (ms) pred./meas.: {stats.predicted_step_s * 1e3:.1f}/"
+            f"{max(times, default=0.0) * 1e3:.1f} | "
+            f"tokens/s: {stats.sum_seqlen / max(elapsed_s, 1e-9):.0f}"
+        )
+        return line + self.describe_refinement()
+
+    def describe_refinement(self) -> str:
+        """The refined coefficients as factors of the prior's (empty when not refining)."""
+        if self.refinement is None:
+            return ""
+        labels = COEFFICIENT_LABELS
+        if math.isinf(self.refinement.prior.spill_elements):
+            labels = labels[:-1]  # no cache size: nothing spills, nothing to refine
+        factors = " ".join(
+            f"{label} {factor:.3g}" for label, factor in zip(labels, self.refinement.factors)
+        )
+        return f" | cost x prior: {factors}"
+
+
+def describe_prefetch(wrapper: DCPForwardBackward) -> str:
+    if wrapper.prefetcher is None:
+        return "DCP prefetch: off (each global batch is read, planned and routed before its step)"
+    return (
+        "DCP prefetch: on (the next global batch is read, planned and routed in the background "
+        "while the current one trains)"
+    )
+
+
+def busy_times(busy_s: float, domain_group: Any) -> List[float]:
+    """The busy forward-backward seconds of every position of the domain, the same floats on
+    every rank of the job: gathered (float64) over the DP×CP ``domain_group``, the slowest of
+    the tensor-parallel ranks (they run in step), summed over the pipeline stages in stage
+    order (each runs its share of the layers; the cost model counts them all)."""
+    times = gather_floats([busy_s], domain_group)
+    tp_group, pp_group = model_parallel_groups()
+    if tp_group is not None:
+        times = [max(values) for values in zip(*gather_rows(times, tp_group))]
+    if pp_group is not None:
+        times = [sum(values) for values in zip(*gather_rows(times, pp_group))]
+    return times
+
+
+def model_parallel_groups() -> tuple:
+    """megatron's tensor- and pipeline-parallel groups, None for a group of one rank."""
+    from megatron.core import parallel_state
+
+    groups = (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return tuple(g if dist.get_world_size(g) > 1 else None for g in groups)
+
+
+def gather_rows(values: Sequence[float], group: Any) -> List[List[float]]:
+    """Every rank's ``values`` (all of one length), by rank in ``group``."""
+    flat = gather_floats(values, group)
+    width = len(values)
+    return [flat[i : i + width] for i in range(0, len(flat), width)]
+
+
+def gather_floats(values: Sequence[float], group: Any) -> List[float]:
+    """The concatenation, in rank order, of every rank's ``values`` (float64, on the device the
+    group's collectives use)."""
+    device = collective_device(group)
+    local = torch.tensor(list(values), dtype=torch.float64, device=device)
+    parts = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [x for part in parts for x in part.cpu().tolist()]
+
+
+def install_dcp_schedule(
+    config: DCPConfig, log: Callable[[str], None], schedule_class: type = DCPSchedule
+) -> DCPSchedule:
+    """Make ``megatron.training``'s loops run one shared :class:`DCPSchedule` (or a subclass,
+    ``schedule_class``: the training benchmark's) through the ``dcp_schedule`` entry of the
+    patch table."""
+    from megatron.training import get_args
+
+    def last_iteration() -> bool:
+        args = get_args()
+        return bool(args.train_iters) and args.curr_iteration + 1 >= args.train_iters
+
+    schedule = schedule_class(
+        config,
+        log,
+        iteration=lambda: get_args().curr_iteration + 1,
+        last_iteration=last_iteration,
+    )
+    apply_groups(("training",))
+    use_schedule(schedule)
+    return schedule

@@ -1,0 +1,174 @@
+"""What the DCP training entry points share (``pretrain_gpt``, ``pretrain_mamba``): megatron's
+arguments with the DCP flags, the checks before the first step (run by :func:`start`, whose
+refusals are one line, ``integration.training.startup_errors``), the variable-length datasets, and the run itself
+on ``megatron.training.pretrain``.
+
+An entry point enables the CPU backend (``patches.enable_cpu_training``) before it imports this
+module: megatron.training must see the stand-ins when it is first imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.training import get_args, get_tokenizer, pretrain
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import print_rank_0, print_rank_last
+
+from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args
+from megatron_dcp.integration.cpu.parallel import cpu_notice
+from megatron_dcp.integration.data.chat import chat_tokenizer, check_tokenizer_type
+from megatron_dcp.integration.data.datasets import build_varlen_datasets
+from megatron_dcp.integration.model_checks import check_model_config
+from megatron_dcp.integration.model_cost import describe_cost
+from megatron_dcp.integration.patches import apply_patches
+from megatron_dcp.integration.training.dcp_schedule import DCPSchedule, install_dcp_schedule
+from megatron_dcp.integration.training.forward_step import forward_step
+from megatron_dcp.integration.training.startup_errors import (
+    EntryParser,
+    held_stdout,
+    short_usage,
+    startup_checks,
+)
+
+
+def on_cpu() -> bool:
+    """The CPU backend runs (no CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+# On CPU: gloo, the local implementation, and no fusions that need CUDA kernels (TE RoPE,
+# APEX gradient accumulation, persistent layer norm). Explicit flags still win.
+CPU_DEFAULTS = {
+    "distributed_backend": "gloo",
+    "transformer_impl": "local",
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "no_persist_layer_norm": True,
+    "attention_dropout": 0.0,  # the reference attention has no dropout
+}
+
+
+def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentParser], Any]:
+    """megatron's ``extra_args_provider``: the DCP flags, per-token loss on (DCP needs it), the
+    CPU defaults when CUDA is absent, and a parser that reads ``argv`` (default: the command
+    line) and answers a typo with the DCP flags' usage, not megatron's whole usage (a usage the
+    caller set on the parser wins)."""
+
+    def provide(parser: argparse.ArgumentParser) -> EntryParser:
+        add_dcp_args(parser)
+        parser.set_defaults(calculate_per_token_loss=True, **(CPU_DEFAULTS if on_cpu() else {}))
+        if parser.usage:
+            return EntryParser(parser, argv)
+        return EntryParser(parser, argv, usage=lambda: short_usage(parser.prog, add_dcp_args))
+
+    return provide
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """megatron's arguments plus the DCP flags; ``argv`` defaults to the command line."""
+    return parse_and_validate_args(extra_args_provider=extra_args(argv))
+
+
+def start(
+    argv: Optional[List[str]],
+    check: Callable[[argparse.Namespace], DCPConfig],
+    model_config_of: Callable[[argparse.Namespace], Any],
+) -> Tuple[argparse.Namespace, DCPConfig, Any]:
+    """Parse the arguments and run every start-up check: ``check`` (the DCP flags) and
+    ``compat.check_model_config`` on the model config ``model_config_of`` builds. A refusal is
+    one line on rank 0, before megatron's argument dump (held back until the checks pass), and
+    exit status 2 without a traceback (``integration.training.startup_errors``)."""
+    with startup_checks(), held_stdout():
+        args = parse_args(argv)
+        config = check(args)
+        model_config = model_config_of(args)
+        check_model_config(model_config.transformer)
+    return args, config, model_config
+
+
+def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConfig:
+    """Every DCP setting checked before the first step (ValueErrors naming the flag)."""
+    if not args.dynamic_context_parallel:
+        raise ValueError(
+            f"megatron_dcp.{entry} trains with {DCP_FLAG}: add it (with "
+            "--sequence-packing-scheduler dp_balanced for the static-CP baseline)."
+        )
+    if not args.calculate_per_token_loss:
+        raise ValueError(
+            f"{DCP_FLAG} needs --calculate-per-token-loss (it is on by default here; something "
+            "turned it off): sums of per-token losses divided by the global token count are the "
+            "only loss that stays right when ranks run different CP groups."
+        )
+    if getattr(args, "sft_data", None):
+        check_tokenizer_type(args.tokenizer_type)
+    config = DCPConfig.from_args(args)
+    check_domain(args, config)
+    return config
+
+
+def check_domain(args: argparse.Namespace, config: DCPConfig) -> None:
+    """The DP×CP domain admits the configuration, and the longest possible sample fits it."""
+    domain = config.build_scheduler(args.data_parallel_size * args.context_parallel_size).domain
+    static = config.scheduler == "dp_balanced"
+    capacity = (domain.cp_size if static else domain.size) * domain.budget
+    if args.seq_length > capacity:
+        raise ValueError(
+            f"--seq-length={args.seq_length}: samples may be that long, but the DP×CP domain "
+            f"holds at most {capacity} tokens per sequence with {config.scheduler} "
+            f"(--max-seqlen-per-dp-cp-rank={config.max_seqlen_per_dp_cp_rank}, dp "
+            f"{args.data_parallel_size} × cp {args.context_parallel_size}). Lower --seq-length "
+            "or raise --max-seqlen-per-dp-cp-rank."
+        )
+
+
+def datasets_provider(train_val_test_num_samples: List[int], vp_stage: Optional[int] = None) -> Any:
+    """megatron's dataset provider: variable-length samples, one sequence each. With VPP megatron
+    asks once per model chunk; the DCP wrapper reads the samples from the first chunk's."""
+    args = get_args()
+    chat = chat_tokenizer(get_tokenizer(), args.tokenizer_type) if args.sft_data else None
+    return build_varlen_datasets(
+        seq_length=args.seq_length,
+        vocab_size=args.padded_vocab_size or args.vocab_size,
+        seed=args.seed,
+        num_samples=train_val_test_num_samples,
+        distribution=args.varlen_distribution,
+        lengths_file=args.varlen_lengths_file,
+        data_path=args.data_path,
+        split=args.split,
+        sft_data=args.sft_data,
+        chat=chat,
+        loss_on_prompt=args.sft_loss_on_prompt,
+        skip_invalid=args.sft_skip_invalid,
+    )
+
+
+# Every rank builds its datasets: each rank feeds the DCP wrapper (tensor-parallel ranks too).
+datasets_provider.is_distributed = True
+
+
+def train(
+    args: argparse.Namespace,
+    config: DCPConfig,
+    model_config: Any,
+    datasets: Callable = datasets_provider,
+    schedule_class: type = DCPSchedule,
+) -> None:
+    """megatron's ``pretrain`` of ``model_config`` under DCP, after :func:`start`. ``datasets``
+    and ``schedule_class`` replace the dataset provider and the DCP schedule (the training
+    benchmark runs every global batch once per planner)."""
+    if on_cpu():
+        print_rank_0(cpu_notice())
+    print_rank_0(describe_cost(config.cost_model))
+    apply_patches()
+    install_dcp_schedule(config, log=print_rank_last, schedule_class=schedule_class)
+    pretrain(
+        pretrain_cfg_container_from_args(args, model_config),
+        datasets,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )

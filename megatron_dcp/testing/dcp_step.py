@@ -1,0 +1,229 @@
+"""A DCP training step of the tiny GPT through megatron's real pipeline schedules, as a
+``run_distributed`` worker, with what the oracle tests compare: the global summed loss, token
+count and full gradients (see ``testing.gpt.single_process_reference``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.integration.config import DCPConfig
+from megatron_dcp.integration.forward_backward import build_forward_backward
+from megatron_dcp.integration.patches import apply_patches
+from megatron_dcp.integration.training.forward_step import forward_step
+from megatron_dcp.scheduling import CostModel
+from megatron_dcp.testing.gpt import (
+    Sample,
+    TinyGPTOptions,
+    build_tiny_gpt,
+    gather_full_tensors,
+    init_megatron,
+    unpacked_loss_and_backward,
+)
+from megatron_dcp.testing.overlap import (
+    NO_OVERLAP,
+    CommOverlap,
+    ddp_config_fields,
+    finish_param_gather,
+    install_schedule_hooks,
+    use_p2p_overlap,
+)
+
+
+@dataclass(frozen=True)
+class DCPStepResult:
+    loss_sum: float
+    num_tokens: int
+    cp_sizes: tuple[int, ...]
+    num_microbatches: int
+    grads: dict[str, torch.Tensor] = field(repr=False)
+
+
+def dcp_training_step(
+    rank: int,
+    world_size: int,
+    samples: Sequence[Sample],
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: Optional[int] = None,
+    scheduler: str = "default_dynamic_cp",
+    budget: int = 64,
+    min_cp_size: int = 1,
+    options: Optional[TinyGPTOptions] = None,
+    overlap: CommOverlap = NO_OVERLAP,
+    cost_model: Optional[CostModel] = None,
+) -> DCPStepResult:
+    """One forward-backward of ``samples`` (the global batch, split evenly over DP ranks);
+    ``overlap``: its p2p settings (``testing.overlap``; a step without DDP has no others);
+    ``cost_model``: what the scheduler plans with (default: the model's on this backend)."""
+    from megatron.core import parallel_state
+
+    options = options or TinyGPTOptions()
+    init_megatron(tp, pp, cp, vpp, seed=options.seed, ep=options.expert_parallel)
+    apply_patches()
+    chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
+    use_p2p_overlap(chunks[0].config, overlap)
+    dcp = DCPConfig.for_model(
+        chunks[0].config,
+        budget,
+        scheduler=scheduler,
+        min_cp_size=min_cp_size,
+        cost_model=cost_model,
+    )
+    wrapper = build_forward_backward(chunks[0].config, dcp)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    share = len(samples) // parallel_state.get_data_parallel_world_size()
+    local = list(samples[dp_rank * share : (dp_rank + 1) * share])
+    losses = wrapper(
+        forward_step_func=forward_step,
+        data_iterator=[iter(local) for _ in chunks] if vpp else iter(local),
+        model=chunks if vpp else chunks[0],
+        num_microbatches=share,
+        seq_length=0,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    loss_sum, num_tokens = global_loss(losses)
+    stats = wrapper.stats[-1]
+    grads = gather_full_tensors(chunks)
+    wrapper.groups.destroy()
+    return DCPStepResult(
+        loss_sum, num_tokens, tuple(stats.cp_size_histogram), stats.num_microbatches, grads
+    )
+
+
+def global_loss(losses: Sequence[dict]) -> tuple[float, int]:
+    """Summed loss and token count of the global batch, on every rank: summed over micro-batches
+    and the DP×CP domain on the last pipeline stage, then broadcast along the pipeline."""
+    from megatron.core import parallel_state
+
+    total = torch.zeros(2, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for entry in losses:
+            total += entry["lm loss"].double()
+        dist.all_reduce(
+            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    last = dist.get_process_group_ranks(pp_group)[-1]
+    dist.broadcast(total, src=last, group=pp_group)
+    return total[0].item(), int(total[1].item())
+
+
+# ------------------------------------------------------------------------------------------------
+# Several optimizer steps: DDP + Adam through megatron's finalize_model_grads
+# ------------------------------------------------------------------------------------------------
+
+LEARNING_RATE = 1e-2
+
+
+def with_ddp_and_adam(
+    chunks: Sequence[torch.nn.Module],
+    distributed_optimizer: bool = False,
+    overlap: CommOverlap = NO_OVERLAP,
+) -> tuple[list, object]:
+    """Wrap ``chunks`` in megatron DDP (gradients summed over DP×CP: per-token loss) and build
+    megatron's Adam; the schedules then sync and scale gradients by the global token count.
+    ``distributed_optimizer``: Adam's state sharded over DP×CP (gradients reduce-scattered,
+    parameters all-gathered). ``overlap``: megatron's communication overlaps, with the schedule
+    hooks megatron.training installs for them (``testing.overlap``)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, **ddp_config_fields(overlap)
+    )
+    models = [
+        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    install_schedule_hooks(models, overlap)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=LEARNING_RATE,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=overlap.param_gather,
+    )
+    return models, get_megatron_optimizer(optimizer_config, models)
+
+
+def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return gather_full_tensors(chunks, select=lambda p: p.detach(), reduce_dp_cp=False)
+
+
+def dcp_training_run(
+    rank: int,
+    world_size: int,
+    batches: Sequence[Sequence[Sample]],
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    budget: int = 64,
+    options: Optional[TinyGPTOptions] = None,
+    distributed_optimizer: bool = False,
+    vpp: Optional[int] = None,
+    overlap: CommOverlap = NO_OVERLAP,
+) -> dict[str, torch.Tensor]:
+    """``len(batches)`` DCP training steps (DDP + Adam, megatron's distributed optimizer when
+    ``distributed_optimizer``, the communication overlaps of ``overlap``); the full weights
+    afterwards."""
+    from megatron.core import parallel_state
+
+    options = options or TinyGPTOptions()
+    init_megatron(tp, pp, cp, vpp, seed=options.seed)
+    apply_patches()
+    chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
+    models, optimizer = with_ddp_and_adam(chunks, distributed_optimizer, overlap)
+    wrapper = build_forward_backward(
+        chunks[0].config, DCPConfig.for_model(chunks[0].config, budget)
+    )
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    for samples in batches:
+        share = len(samples) // dp_size
+        local = samples[dp_rank * share : (dp_rank + 1) * share]
+        for model in models:
+            model.zero_grad_buffer()
+        optimizer.zero_grad()
+        wrapper(
+            forward_step_func=forward_step,
+            data_iterator=[iter(local) for _ in models] if vpp else iter(local),
+            model=models if vpp else models[0],
+            num_microbatches=share,
+        )
+        optimizer.step()
+    finish_param_gather(models, overlap)
+    wrapper.groups.destroy()
+    return full_weights(chunks)
+
+
+def reference_training_run(
+    rank: int, world_size: int, batches: Sequence[Sequence[Sample]], options: TinyGPTOptions
+) -> dict[str, torch.Tensor]:
+    """The oracle of ``dcp_training_run``: one process, samples one by one (no packing, no CP),
+    the same DDP, token-count scaling and Adam."""
+    from megatron.core.distributed import finalize_model_grads
+
+    init_megatron(seed=options.seed)
+    chunks = build_tiny_gpt(options=options)
+    models, optimizer = with_ddp_and_adam(chunks)
+    for samples in batches:
+        models[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        _, num_tokens = unpacked_loss_and_backward(models[0], samples)
+        finalize_model_grads(models, num_tokens=torch.tensor(num_tokens))
+        optimizer.step()
+    return full_weights(chunks)

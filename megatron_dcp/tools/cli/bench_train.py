@@ -1,0 +1,199 @@
+"""``megatron-dcp bench-train``: time real training steps of several planners on identical
+global batches, one rank per core.
+
+    megatron-dcp bench-train [--nproc 2] [--arms static,dcp,megatron_dev] [--batches 14] \\
+        [--warmup 2] [--out bench_train_out] [--entry pretrain_gpt] [--oversubscribe] \\
+        [megatron and DCP flags, e.g. --varlen-distribution ... --max-seqlen-per-dp-cp-rank ...]
+
+One training run (:mod:`.worker`) runs every global batch once per arm, the arms taking turns
+in a rotating order, so that both arms of a comparison run the same samples on the same warm
+process within seconds of each other. Flags not given take :data:`DEFAULTS` (a 4-layer,
+hidden-256 GPT, 32 sequences per global batch, DP 1 × CP ``--nproc``). The first ``--warmup``
+batches are left out; what is left is compared batch by batch (``stats``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from megatron_dcp.tools.bench_train.arms import DEFAULT_ARMS, arm_at, parse_arms, runnable
+from megatron_dcp.tools.bench_train.results import BenchResult, collect
+from megatron_dcp.tools.bench_train.worker import PLANS_FILE, SPEC_VARIABLE, TIMES_FILE, BenchSpec
+from megatron_dcp.tools.cli.args import add_pass_through, positive_int
+from megatron_dcp.tools.launcher import TrainingRunError, available_cores, check_rank_per_core
+
+PROG = "megatron-dcp bench-train"
+WORKER_ENTRY = "tools.bench_train.worker"  # run as ``python -m megatron_dcp.<entry>``
+ENTRIES = ("pretrain_gpt", "pretrain_mamba")
+DEFAULTS: Dict[str, object] = {
+    "--num-layers": 4,
+    "--hidden-size": 256,
+    "--num-attention-heads": 4,
+    "--ffn-hidden-size": 1024,
+    "--seq-length": 4096,
+    "--max-position-embeddings": 4096,
+    "--position-embedding-type": "rope",
+    "--micro-batch-size": 1,
+    "--global-batch-size": 32,
+    "--hidden-dropout": 0.0,
+    "--attention-dropout": 0.0,
+    "--lr": 1e-4,
+    "--tokenizer-type": "NullTokenizer",
+    "--vocab-size": 1024,
+    "--varlen-distribution": "lognormal:median=500,sigma=0.8,min=32,max=4096",
+    "--max-seqlen-per-dp-cp-rank": 2048,
+    "--seed": 1234,
+    "--eval-iters": 0,
+    "--eval-interval": 1000000,
+}
+# Set by the command whatever the user passes: the run is a benchmark of these arms.
+FORCED_FLAGS = ("--dynamic-context-parallel", "--log-interval", "--train-iters")
+
+
+class DigestMismatch(ValueError):
+    """Two arms of one global batch read different samples: the comparison would be unfair."""
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """The benchmark's own flags; every other flag goes to the training entry point."""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [benchmark flags] [megatron and DCP flags]",
+        description="Time real training steps of several planners on identical global batches.",
+        epilog="Other flags: those of `python -m megatron_dcp.pretrain_gpt --help`.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--nproc", type=positive_int, default=2, help="ranks (default 2)")
+    p.add_argument(
+        "--arms",
+        type=parse_arms,
+        default=DEFAULT_ARMS,
+        help=f"comma-separated arms, static first (default {','.join(DEFAULT_ARMS)})",
+    )
+    p.add_argument(
+        "--batches", type=positive_int, default=14, help="global batches, warm-up included"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="first batches left out (default 2)")
+    p.add_argument("--out", type=Path, default=Path("bench_train_out"), help="output folder")
+    p.add_argument("--entry", choices=ENTRIES, default="pretrain_gpt", help="training entry point")
+    p.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more ranks than cores (the figures then time the OS scheduler too)",
+    )
+    return p
+
+
+def add_bench_train(sub: argparse._SubParsersAction) -> None:
+    """The ``bench-train`` subcommand: the rest of the command line goes to :func:`bench_train`."""
+    summary = "time training steps of several planners side by side (docs/performance.md)"
+    add_pass_through(sub, "bench-train", summary, bench_train)
+
+
+def bench_train(argv: Sequence[str]) -> int:
+    """The whole command: check, run, check fairness, report. Returns the exit code."""
+    from megatron_dcp.tools.bench_train.report import print_report, write_outputs
+
+    options, extra = bench_parser().parse_known_args(list(argv))
+    check_cores(options.nproc, options.oversubscribe)
+    if not 0 <= options.warmup < options.batches:
+        raise ValueError(
+            f"--warmup={options.warmup}: must leave batches to compare (0 ≤ warmup < --batches="
+            f"{options.batches})."
+        )
+    arms, missing = runnable(options.arms)
+    try:
+        result = run_bench(options, arms, extra)
+    except TrainingRunError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    result.unavailable.update(missing)
+    print_report(result)
+    write_outputs(result, options.out)
+    return 0
+
+
+def check_cores(nproc: int, oversubscribe: bool) -> None:
+    if not oversubscribe:
+        check_rank_per_core(
+            nproc, "Use --nproc ≤ {cores}, or add --oversubscribe (the report then says so)."
+        )
+
+
+def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[str]:
+    """:data:`DEFAULTS` under the user's flags, DP 1 × CP ``nproc`` unless given, and the
+    flags the benchmark needs."""
+    from megatron_dcp.tools.launcher import flag_list
+
+    given = {flag for flag in extra if flag.startswith("--")}
+    forced = sorted(given.intersection(FORCED_FLAGS))
+    if forced:
+        raise ValueError(f"{', '.join(forced)}: bench-train sets these itself; leave them out.")
+    defaults = {flag: value for flag, value in DEFAULTS.items() if flag not in given}
+    if "--context-parallel-size" not in given:
+        defaults["--context-parallel-size"] = nproc
+    if "--varlen-distribution" in defaults and {"--sft-data", "--varlen-lengths-file"} & given:
+        del defaults["--varlen-distribution"]
+    bench = {"--dynamic-context-parallel": True, "--log-interval": 1, "--train-iters": iterations}
+    return [*flag_list({**defaults, **bench}), *extra]
+
+
+def run_bench(args: argparse.Namespace, arms: Sequence[str], extra: Sequence[str]) -> BenchResult:
+    """One training run of every arm; its results, checked for fairness."""
+    from megatron_dcp.tools.launcher import run_pretrain
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stale_files = [args.out / PLANS_FILE, args.out / TIMES_FILE, *args.out.glob("digests/*.txt")]
+    for stale in stale_files:
+        stale.unlink(missing_ok=True)
+    iterations = args.batches * len(arms)
+    flags = training_flags(extra, args.nproc, iterations)
+    spec = BenchSpec(arms, str(args.out), args.entry, os.environ.get("MEGATRON_DCP_BENCH_PERTURB"))
+    print(
+        f"bench-train: {args.entry} on {args.nproc} ranks ({available_cores()} cores), arms "
+        f"{', '.join(arms)}, {args.batches} global batches ({iterations} iterations) ...",
+        flush=True,
+    )
+    start = time.perf_counter()
+    os.environ[SPEC_VARIABLE] = spec.to_env()
+    try:
+        log = run_pretrain(
+            flags, args.nproc, args.out / "train.log", timeout_s=3600.0, entry=WORKER_ENTRY
+        )
+    finally:
+        del os.environ[SPEC_VARIABLE]
+    print(f"bench-train: done in {time.perf_counter() - start:.0f} s", flush=True)
+    check_digests(args.out, arms, args.batches)
+    oversubscribed = args.nproc > available_cores()
+    return collect(log, args.out, arms, args.warmup, flags, args.nproc, oversubscribed)
+
+
+def read_digests(path: Path) -> List[str]:
+    return [line.split()[1] for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_digests(out: Path, arms: Sequence[str], batches: int) -> None:
+    """Every rank read, for every global batch, the same samples in every arm's turn."""
+    files = sorted((out / "digests").glob("rank*.txt"))
+    if not files:
+        raise DigestMismatch(f"no sample digests in {out / 'digests'}: the workers wrote none")
+    for path in files:
+        digests = read_digests(path)
+        if len(digests) < batches * len(arms):
+            raise DigestMismatch(f"{path}: {len(digests)} batches read, {batches * len(arms)} run")
+        for batch in range(batches):
+            seen = {}
+            for turn in range(len(arms)):
+                iteration = batch * len(arms) + turn + 1
+                seen[arm_at(iteration, arms)[1]] = digests[iteration - 1]
+            if len(set(seen.values())) > 1:
+                raise DigestMismatch(
+                    f"global batch {batch}: the arms read different samples on {path.stem} "
+                    f"({', '.join(f'{a} {d[:10]}' for a, d in seen.items())}); the comparison "
+                    "would not be fair."
+                )

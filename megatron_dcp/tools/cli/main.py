@@ -1,0 +1,55 @@
+"""``megatron-dcp`` command line: simulate schedulers on a workload, run the reference benchmark,
+fuzz the plan invariants, calibrate the cost model on the real backend, write a generated
+SFT corpus, time real training steps of several planners side by side (``bench-train``).
+``main(argv)`` returns the exit code (0 ok, 1 fuzz violations or a failed calibration, 2 bad
+input).
+
+One module of this package per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``,
+``sft_corpus``, ``bench_train``), each with its ``add_*`` parser function; ``args`` holds what
+they share (argument types, the wording of scheduling errors); this module assembles the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from megatron_dcp.tools.cli.args import error_message
+from megatron_dcp.tools.cli.bench_train import add_bench_train
+from megatron_dcp.tools.cli.benchmark import add_benchmark
+from megatron_dcp.tools.cli.calibrate import add_calibrate
+from megatron_dcp.tools.cli.fuzz import add_fuzz
+from megatron_dcp.tools.cli.sft_corpus import add_sft_corpus
+from megatron_dcp.tools.cli.simulate import add_simulate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``megatron-dcp`` argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="megatron-dcp",
+        description="Dynamic Context Parallelism scheduling tools: simulate schedulers on a "
+        "workload, run the reference benchmark, fuzz the plan invariants. See docs/simulator.md.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_simulate(sub)
+    add_benchmark(sub)
+    add_fuzz(sub)
+    add_calibrate(sub)
+    add_sft_corpus(sub)
+    add_bench_train(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``megatron-dcp`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as error:
+        print(f"megatron-dcp {args.command}: error: {error_message(error)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
