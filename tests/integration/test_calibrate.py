@@ -142,7 +142,7 @@ def test_the_model_flags_parse_in_a_fresh_interpreter(tmp_path):
     import sys
 
     code = (
-        "from megatron_dcp.tools.calibration import parse_model_args; "
+        "from megatron_dcp.tools.cli.calibrate import parse_model_args; "
         f"print(parse_model_args({[*TINY_MODEL, '--output', str(tmp_path / 'p.json')]!r})"
         ".hidden_size)"
     )
