@@ -13,6 +13,10 @@ def install_upstream_api() -> List[str]:
     before megatron's model parallelism is initialised; it may be the process's first megatron
     import (also on a CPU machine without triton). Idempotent; returns the patch-table entries
     this call applied."""
+    from megatron_dcp.integration.megatron_dev_api import INSTALL
+    from megatron_dcp.integration.megatron_import import require_megatron_core
+
+    require_megatron_core(INSTALL)  # before the patch table, which imports megatron-core
     from megatron_dcp.integration.patches import install_upstream_api as install
 
     return install()

@@ -6,6 +6,6 @@ the process's first megatron import, also on a machine without triton: the call 
 megatron-core through the package's import path (``integration.megatron_import``) first, and
 raises an ``ImportError`` naming the install when megatron-core is missing."""
 
-from megatron_dcp.integration.patches import install_upstream_api
+from megatron_dcp import install_upstream_api
 
 INSTALLED = install_upstream_api()

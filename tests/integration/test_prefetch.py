@@ -122,7 +122,7 @@ def training_run(
 def measure_deterministically() -> None:
     """Measured step times that depend only on the call count and the position, so that the
     refined cost models of two runs are the same floats (a forked worker)."""
-    from megatron_dcp.integration import training
+    from megatron_dcp.integration.training import dcp_schedule as training
 
     calls = iter(range(1, 10**6))
 
@@ -136,7 +136,7 @@ def measure_deterministically() -> None:
 def record_cost_models() -> list:
     """The coefficients of the cost model each plan is made with, in order (a forked worker:
     the parent's module is untouched)."""
-    from megatron_dcp.integration import schedule
+    from megatron_dcp.integration import forward_backward as schedule
     from megatron_dcp.scheduling.cost_fit import coefficients
 
     recorded, original = [], schedule.plan_with
