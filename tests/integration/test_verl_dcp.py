@@ -7,7 +7,10 @@ from the installed wheel): ``DynamicCPScheduler.schedule`` (which asks megatron-
 CPU backend, forward and backward of verl's per-token loss (the global loss-token count, never
 all-reduced: the batch is replicated) → ``postprocess_thd_engine`` → ``postprocess_dynamic_cp_batch``.
 Per-sample log-probs must equal a single-process no-CP run (1e-5) and so must the gradients
-(1e-4); megatron_dcp's own RL adapter must give the same numbers on the same batch.
+(1e-4); megatron_dcp's own RL adapter must give the same numbers on the same batch. At TP 2
+(8 ranks, TP 2 × DP×CP 4) the same holds against the single-process run. Every case checks
+verl's padding contract on every rank for every micro-batch (``packing_agrees``: 2·TP·CP).
+Dropout is off in the tiny GPT: equality of runs is claimed only so.
 
 Not verl's: the engine object (``MegatronEngine`` needs a model bridge and HF weights to build),
 so its ``forward_backward_batch`` is not called; the loss is written here as that method's

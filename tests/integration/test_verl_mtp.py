@@ -134,9 +134,7 @@ def test_mtp_gradients_under_verl_are_packing_independent(samples, depth, budget
     full gradients, MTP layers included, equal megatron's rule on one micro-batch. At TP 2:
     8 ranks, TP 2 × DP×CP 4 (verl's 2·TP·CP padding)."""
     assert plan_of(BUDGETS[0]) != plan_of(BUDGETS[1])
-    (reference,) = run_distributed(
-        one_microbatch_reference, 1, samples, depth, timeout_s=TIMEOUT_S
-    )
+    (reference,) = run_distributed(one_microbatch_reference, 1, samples, depth, timeout_s=TIMEOUT_S)
     for budget in budgets:
         step = partial(engine_train, budget=budget, depth=depth, rule="global", tp=tp)
         for grads in run_distributed(step, WORLD * tp, samples, timeout_s=TIMEOUT_S):

@@ -1,6 +1,8 @@
 """The ``upstream`` group of the patch table: megatron-core dev's dynamic-CP names on 0.19.x
-(what they do: :mod:`megatron_dcp.integration.megatron_dev_api`). Each entry applies only where the
-installed megatron-core lacks its name, so a megatron-core that has it natively is left alone."""
+(what they do: :mod:`megatron_dcp.integration.megatron_dev_api`). Each name's entry applies only
+where the installed megatron-core lacks it, so a megatron-core that has it natively is left alone.
+One entry is no dev name: ``upstream_mtp_ratios`` (always) gives the micro-batches verl hands
+megatron's schedules the global MTP token ratios (docs/rl.md, "MTP under verl")."""
 
 from __future__ import annotations
 
