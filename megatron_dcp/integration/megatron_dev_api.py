@@ -14,7 +14,10 @@ megatron-core lacks it:
 - ``parallel_state.get_dynamic_data_context_parallel_groups(group_size=k)``: this rank's group
   of ``k`` ranks (``k = 1``: its one-rank group, which a replicated batch uses as its data-parallel
   group); ``parallel_state.destroy_model_parallel`` destroys them too;
-- the ``dynamic_context_parallel`` config field (``TransformerConfig`` and its subclasses).
+- the ``dynamic_context_parallel`` config field (``TransformerConfig`` and its subclasses);
+- megatron's schedules, given verl's DCP micro-batches of a model with MTP, weigh the MTP loss
+  by the global batch's token ratios (:func:`replicated_batch_mtp_masks`, then
+  ``patches.mtp_loss``), as megatron_dcp's own paths do.
 
 The same call applies the ``dcp`` group of the table, which makes attention, RoPE, MTP and Mamba
 run each micro-batch on ``PackedSeqParams.cp_group``.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from megatron_dcp.runtime.groups import DCPGroups
@@ -144,3 +148,48 @@ def dynamic_group(group_size: Optional[int], check_initialized: bool = True) -> 
         sizes = ", ".join(map(str, registry.sizes))
         raise KeyError(f"group_size={group_size!r}: the dynamic DP×CP group sizes are {sizes}")
     return registry.group(group_size)
+
+
+# verl's names for a DCP micro-batch's scheduling data (verl.utils.dynamic_cp_scheduler).
+VERL_LOCAL_CP_SIZE = "local_cp_size"
+VERL_GROUP_LEADER = "_dcp_group_leader"
+
+
+def _non_tensor(micro_batch: Any, key: str, default: Any) -> Any:
+    """A TensorDict's non-tensor entry, unwrapped (``NonTensorData`` keeps it in ``.data``)."""
+    value = micro_batch.get(key, default)
+    return getattr(value, "data", value)
+
+
+def is_replicated_dcp_micro_batch(micro_batch: Any) -> bool:
+    """Whether ``micro_batch`` is one of verl's DCP micro-batches (a TensorDict cut from the
+    replicated batch by ``DynamicCPScheduler.schedule``, with nested ``input_ids`` and
+    ``loss_mask``)."""
+    keys = getattr(micro_batch, "keys", None)
+    if keys is None or _non_tensor(micro_batch, VERL_LOCAL_CP_SIZE, None) is None:
+        return False
+    names = set(keys())
+    return {"input_ids", "loss_mask", VERL_GROUP_LEADER} <= names
+
+
+def replicated_batch_mtp_masks(micro_batches: Sequence[Any]) -> Optional[List[Any]]:
+    """The MTP loss masks of the samples this rank's CP groups own (it leads the group), one per
+    sample, over all of verl's DCP micro-batches of one global batch; None when they are not
+    all verl's. Summed over the DP×CP domain they count every sample of the batch once.
+
+    verl's MTP forward (``gptmodel_forward_model_engine``) gives the model the loss mask with
+    prompt zeros in front (when it covers the response only), rolled one place left with the
+    labels (``input_ids`` rolled): the mask of token t is that of token t+1, and the sequence's
+    last position wraps to its first entry, which is a prompt token's (0)."""
+    if not micro_batches or not all(map(is_replicated_dcp_micro_batch, micro_batches)):
+        return None
+    masks = []
+    for micro_batch in micro_batches:
+        if not _non_tensor(micro_batch, VERL_GROUP_LEADER, False):
+            continue
+        lengths = micro_batch["input_ids"].offsets().diff().tolist()
+        for length, mask in zip(lengths, micro_batch["loss_mask"].unbind()):
+            full = mask.reshape(-1).double()
+            full = torch.cat([full.new_zeros(length - full.numel()), full])
+            masks.append(torch.cat([full[1:], full[:1]]))
+    return masks

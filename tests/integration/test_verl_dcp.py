@@ -7,7 +7,10 @@ from the installed wheel): ``DynamicCPScheduler.schedule`` (which asks megatron-
 CPU backend, forward and backward of verl's per-token loss (the global loss-token count, never
 all-reduced: the batch is replicated) → ``postprocess_thd_engine`` → ``postprocess_dynamic_cp_batch``.
 Per-sample log-probs must equal a single-process no-CP run (1e-5) and so must the gradients
-(1e-4); megatron_dcp's own RL adapter must give the same numbers on the same batch.
+(1e-4); megatron_dcp's own RL adapter must give the same numbers on the same batch. At TP 2
+(8 ranks, TP 2 × DP×CP 4) the same holds against the single-process run. Every case checks
+verl's padding contract on every rank for every micro-batch (``packing_agrees``: 2·TP·CP).
+Dropout is off in the tiny GPT: equality of runs is claimed only so.
 
 Not verl's: the engine object (``MegatronEngine`` needs a model bridge and HF weights to build),
 so its ``forward_backward_batch`` is not called; the loss is written here as that method's
@@ -35,6 +38,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.dynamic_cp_scheduler import (  # noqa: E402
     DCP_GROUP_LEADER,
     DCP_LOCAL_NUM_TOKENS,
+    DCP_PADDING_MASK,
     DCP_SAMPLE_IDS,
     DynamicCPScheduler,
     postprocess_dynamic_cp_batch,
@@ -55,7 +59,7 @@ class VerlResult:
     losses: list
     num_tokens: int
     local_cp_sizes: tuple[int, ...]
-    packing_agrees: tuple[bool, ...]
+    packing: tuple[dict, ...]  # packing_agrees per micro-batch
 
 
 def verl_batch(samples: Sequence[dict]):
@@ -69,14 +73,14 @@ def verl_batch(samples: Sequence[dict]):
     return TensorDict({"input_ids": nested("tokens"), **fields}, batch_size=[len(samples)])
 
 
-def init_verl_megatron(cp: int) -> None:
+def init_verl_megatron(cp: int, tp: int = 1) -> None:
     """What verl's engine does on start-up, in its order, with the upstream API installed."""
     from megatron.core import parallel_state, tensor_parallel
 
     enable_cpu_backend()
     megatron_dcp.install_upstream_api()
     parallel_state.initialize_model_parallel(
-        context_parallel_size=cp, dynamic_context_parallel=True
+        tensor_model_parallel_size=tp, context_parallel_size=cp, dynamic_context_parallel=True
     )
     tensor_parallel.model_parallel_cuda_manual_seed(OPTIONS.seed)
 
@@ -93,7 +97,9 @@ def verl_forward_backward(model, samples: Sequence[dict], budget: int):
         dp_size=mpu.get_data_parallel_world_size(),
         cp_size=mpu.get_context_parallel_world_size(),
     )
-    micro_batches = scheduler.schedule(batch, dcp_group, tp_size=1)
+    micro_batches = scheduler.schedule(
+        batch, dcp_group, tp_size=mpu.get_tensor_model_parallel_world_size()
+    )
     # verl #5983: under DCP the replicated batch's count is already global (no DP all-reduce).
     num_tokens = int(batch["loss_mask"].values().sum())
     outputs = [micro_batch_step(model, mb, num_tokens) for mb in micro_batches]
@@ -104,9 +110,11 @@ def local_cp_sizes(micro_batches) -> tuple[int, ...]:
     return tuple(tu.get_non_tensor_data(mb, "local_cp_size", None) for mb in micro_batches)
 
 
-def verl_step(rank: int, world_size: int, samples: Sequence[dict], cp: int, budget: int):
-    init_verl_megatron(cp)
-    (model,) = build_tiny_gpt(cp=cp, options=OPTIONS)
+def verl_step(
+    rank: int, world_size: int, samples: Sequence[dict], cp: int, budget: int, tp: int = 1
+):
+    init_verl_megatron(cp, tp)
+    (model,) = build_tiny_gpt(tp=tp, cp=cp, options=OPTIONS)
     micro_batches, merged = verl_forward_backward(model, samples, budget)
     return VerlResult(
         log_probs=list(merged["model_output"]["log_probs"].unbind()),
@@ -114,7 +122,7 @@ def verl_step(rank: int, world_size: int, samples: Sequence[dict], cp: int, budg
         losses=merged["loss"],
         num_tokens=int(sum(s["loss_mask"].sum() for s in samples)),
         local_cp_sizes=local_cp_sizes(micro_batches),
-        packing_agrees=tuple(packing_agrees(samples, mb) for mb in micro_batches),
+        packing=tuple(packing_agrees(samples, mb) for mb in micro_batches),
     )
 
 
@@ -145,36 +153,54 @@ def micro_batch_step(model, micro_batch, num_tokens: int) -> dict:
     }
 
 
-def packing_agrees(samples: Sequence[dict], micro_batch) -> bool:
-    """One padding contract: megatron_dcp's packing of the micro-batch's samples gives this rank
-    the tokens verl's preprocessing gives it (and the positions of the real ones), and verl's
-    local token count (from its padding mask) is the number of real tokens among them."""
+def packing_agrees(samples: Sequence[dict], micro_batch) -> dict:
+    """verl's padding contract on this rank, check by check (each True when it holds):
+
+    - ``padded``: verl pads every sequence to a multiple of 2·TP·CP (TP without CP), and this
+      rank holds 1/CP of the padded micro-batch;
+    - ``tokens``, ``positions``: megatron_dcp's packing at that multiple
+      (``padding_multiple(cp, tp, sequence_parallel=True)``) gives this rank the tokens verl's
+      preprocessing gives it, and the same positions for the real ones (verl numbers the
+      padding of a back chunk 0, megatron_dcp continues counting: padding is never attended);
+    - ``padding mask``, ``local tokens``: verl's router padding mask marks exactly the padding,
+      and its local token count is the number of real tokens."""
     from megatron.core import parallel_state as mpu
 
     cp_size = tu.get_non_tensor_data(micro_batch, "local_cp_size", None)
+    tp_size = mpu.get_tensor_model_parallel_world_size()
     group = mpu.get_dynamic_data_context_parallel_groups(group_size=cp_size)
-    lengths = [
-        len(samples[i]["tokens"]) for i in tu.get_non_tensor_data(micro_batch, DCP_SAMPLE_IDS, None)
-    ]
-    multiple = padding_multiple(cp_size)
+    ids = tu.get_non_tensor_data(micro_batch, DCP_SAMPLE_IDS, None)
+    lengths = [len(samples[i]["tokens"]) for i in ids]
+    multiple = padding_multiple(cp_size, tp_size, sequence_parallel=True)
     ours = pack_samples(
-        [samples[i] for i in tu.get_non_tensor_data(micro_batch, DCP_SAMPLE_IDS, None)],
-        cp_size,
-        torch.distributed.get_rank(group),
-        multiple,
+        [samples[i] for i in ids], cp_size, torch.distributed.get_rank(group), multiple
     )
-    theirs, _, positions = preprocess_thd_engine(micro_batch["input_ids"], local_cp_size=cp_size)
+    theirs, params, positions = preprocess_thd_engine(
+        micro_batch["input_ids"], local_cp_size=cp_size
+    )
     row_lengths = torch.tensor(
         [n for n in lengths for _ in range(padded_length(n, multiple) // cp_size)]
     )
-    real = int((ours.position_ids[0] < row_lengths).sum())
-    local = tu.get_non_tensor_data(micro_batch, DCP_LOCAL_NUM_TOKENS, None)
-    same_layout = torch.equal(ours.tokens, theirs) and torch.equal(ours.position_ids, positions)
-    return (
-        torch.equal(ours.tokens, theirs),
-        torch.equal(ours.position_ids, positions),
-        local == real,
-    )
+    real = ours.position_ids[0] < row_lengths
+    padded = params.cu_seqlens_q_padded.diff().tolist()
+    align = 2 * tp_size * cp_size if cp_size > 1 else tp_size
+    return {
+        "padded": padded == [padded_length(n, align) for n in lengths]
+        and theirs.shape[1] * cp_size == sum(padded),
+        "tokens": torch.equal(ours.tokens, theirs),
+        "positions": torch.equal(ours.position_ids[0][real], positions[0][real]),
+        "padding mask": torch.equal(
+            tu.get_non_tensor_data(micro_batch, DCP_PADDING_MASK, None), ~real
+        ),
+        "local tokens": tu.get_non_tensor_data(micro_batch, DCP_LOCAL_NUM_TOKENS, None)
+        == int(real.sum()),
+    }
+
+
+def assert_padding_contract(result: "VerlResult") -> None:
+    for index, checks in enumerate(result.packing):
+        failed = [name for name, holds in checks.items() if not holds]
+        assert not failed, f"micro-batch {index}: the padding contract fails on {failed}"
 
 
 def masked_loss(samples: Sequence[dict], log_probs: Sequence[torch.Tensor]) -> float:
@@ -221,13 +247,41 @@ def test_verl_path_equals_single_process_and_the_adapter(lengths, world, cp, bud
     assert max(max(r.local_cp_sizes) for r in verl) > 1, "the plan should use CP"
     for result, ours in zip(verl, adapter):
         assert result.num_tokens == reference.num_tokens
-        assert all(result.packing_agrees)
+        assert_padding_contract(result)
         assert sum(result.losses) == pytest.approx(masked_loss(samples, reference.log_probs))
         assert_close_results(
             result.log_probs, result.grads, reference.log_probs, reference.grads, result.num_tokens
         )
         assert_close_results(
             result.log_probs, result.grads, ours.log_probs, ours.grads, result.num_tokens
+        )
+
+
+# (lengths, static cp, budget, sample with no loss token) at 8 ranks, TP 2 × DP×CP 4. Odd
+# lengths: verl pads them to 2·TP·CP (TP alone in a CP-1 group), not to megatron_dcp's 2·CP.
+TP2_CASES = [
+    pytest.param(random_lengths(9, seed=7), 2, 48, None, id="tp2-dp2cp2-9seqs"),
+    pytest.param(random_lengths(12, seed=6), 4, 48, 5, id="tp2-cp4-12seqs"),
+]
+
+
+@pytest.mark.parametrize("lengths, cp, budget, silent", TP2_CASES)
+def test_verl_path_at_tp2_equals_single_process(lengths, cp, budget, silent):
+    """verl's path at TP 2 (dropout off, so the runs can be equal): every rank's log-probs and
+    full gradients (TP shards gathered) equal the single-process run, and verl's padding contract
+    (2·TP·CP) holds on every rank for every micro-batch."""
+    samples = make_samples(lengths, OPTIONS.vocab_size, seed=len(lengths))
+    if silent is not None:
+        samples[silent]["loss_mask"].zero_()
+    assert any(n % (4 * cp) for n in lengths), "some lengths should need TP's padding"
+    verl = run_distributed(verl_step, 8, samples, cp, budget, 2, timeout_s=TIMEOUT_S)
+    (reference,) = run_distributed(reference_step, 1, samples, timeout_s=TIMEOUT_S)
+    assert max(max(r.local_cp_sizes) for r in verl) > 1, "the plan should use CP"
+    for result in verl:
+        assert_padding_contract(result)
+        assert sum(result.losses) == pytest.approx(masked_loss(samples, reference.log_probs))
+        assert_close_results(
+            result.log_probs, result.grads, reference.log_probs, reference.grads, result.num_tokens
         )
 
 

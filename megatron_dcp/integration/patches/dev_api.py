@@ -1,6 +1,8 @@
 """The ``upstream`` group of the patch table: megatron-core dev's dynamic-CP names on 0.19.x
-(what they do: :mod:`megatron_dcp.integration.megatron_dev_api`). Each entry applies only where the
-installed megatron-core lacks its name, so a megatron-core that has it natively is left alone."""
+(what they do: :mod:`megatron_dcp.integration.megatron_dev_api`). Each name's entry applies only
+where the installed megatron-core lacks it, so a megatron-core that has it natively is left alone.
+One entry is no dev name: ``upstream_mtp_ratios`` (always) gives the micro-batches verl hands
+megatron's schedules the global MTP token ratios (docs/rl.md, "MTP under verl")."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import functools
 import inspect
 from typing import Any, Callable, Tuple
 
+from megatron_dcp.integration.patches.mtp_loss import active_mtp_ratios, mtp_token_ratios
 from megatron_dcp.integration.patches.table import MISSING, Condition, Patch, resolve
 
 PARALLEL_STATE = "megatron.core.parallel_state"
 DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+LIST_ITERATOR = type(iter([]))
 CONFIG_FIELD = "dynamic_context_parallel"
 # The config classes whose generated __init__ must accept the field (dataclass subclasses
 # generate their own __init__, which does not call their parent's).
@@ -108,6 +113,47 @@ def _config_init(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]
     return __init__
 
 
+def _mtp_depth(model: Any) -> int:
+    from megatron.core.utils import get_model_config
+
+    chunk = model[0] if isinstance(model, (list, tuple)) else model
+    return int(getattr(get_model_config(chunk), "mtp_num_layers", None) or 0)
+
+
+def replicated_batch_ratios(micro_batches: list, model: Any) -> Any:
+    """The MTP token ratios of the global batch whose verl DCP micro-batches this rank runs (one
+    all-reduce of ``1 + depth`` counts over the DP×CP group); None without MTP or for other
+    micro-batches."""
+    from megatron.core import parallel_state
+
+    from megatron_dcp.integration.megatron_dev_api import replicated_batch_mtp_masks
+    from megatron_dcp.runtime.exchange import collective_device
+
+    depth = _mtp_depth(model)
+    masks = replicated_batch_mtp_masks(micro_batches) if depth else None
+    if masks is None:
+        return None
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return mtp_token_ratios(masks, depth, group, collective_device(group))
+
+
+def _replicated_batch_schedule(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A schedule that, given a list of verl's DCP micro-batches to train on, runs them under
+    the global batch's MTP token ratios (``patches.mtp_loss.active_mtp_ratios``)."""
+
+    @functools.wraps(original)
+    def forward_backward(*args: Any, **kwargs: Any) -> Any:
+        data_iterator = kwargs.get("data_iterator")
+        if kwargs.get("forward_only") or type(data_iterator) is not LIST_ITERATOR:
+            return original(*args, **kwargs)
+        micro_batches = list(data_iterator)
+        kwargs["data_iterator"] = iter(micro_batches)
+        with active_mtp_ratios(replicated_batch_ratios(micro_batches, kwargs.get("model"))):
+            return original(*args, **kwargs)
+
+    return forward_backward
+
+
 # Entries that share a condition come in an order where applying one does not end the condition
 # of the next (the keyword's entry last, the field's after the constructors).
 UPSTREAM_PATCHES: Tuple[Patch, ...] = (
@@ -152,6 +198,22 @@ UPSTREAM_PATCHES: Tuple[Patch, ...] = (
         "megatron-core 0.19.x's config constructors reject dynamic_context_parallel=.",
         _config_init,
         when=_lacks(UPSTREAM_NAMES[3]),
+    ),
+    Patch(
+        "upstream_mtp_ratios",
+        "upstream",
+        tuple(
+            f"{SCHEDULES}:{name}"
+            for name in (
+                "forward_backward_no_pipelining",
+                "forward_backward_pipelining_without_interleaving",
+                "forward_backward_pipelining_with_interleaving",
+            )
+        ),
+        "An engine that hands megatron's schedule micro-batches cut from a replicated batch "
+        "(verl's dynamic CP) builds their PackedSeqParams itself: megatron weighs each MTP "
+        "depth per slice of each micro-batch, so the MTP gradient depends on the packing.",
+        _replicated_batch_schedule,
     ),
     Patch(
         "upstream_config_field",

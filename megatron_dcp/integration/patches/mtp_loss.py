@@ -16,15 +16,21 @@ all-reduce of ``1 + depth`` numbers over DP) and names them in each micro-batch'
 ``scale · Σ loss_d / N_d`` whatever the plan: exactly what a single micro-batch holding the whole
 global batch gives under megatron's own rule, which is the reference the oracle tests use.
 
+Micro-batches that megatron_dcp does not pack (verl's engine builds its own ``PackedSeqParams``
+in ``preprocess_thd_engine``) take the ratios of the forward-backward call that drives them
+(:func:`active_mtp_ratios`, set once per global batch by the ``upstream`` group's schedule entry
+from the micro-batches verl hands to megatron's schedule) when they name a dynamic CP size.
+
 Micro-batches without the ratios (static CP in plain megatron) and RL-style calls without labels
 take megatron's own function unchanged (DCP always runs with a per-token loss).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,6 +39,30 @@ from megatron_dcp.integration.patches.table import Patch
 # The DCP wrapper sets this attribute of a micro-batch's PackedSeqParams to (N / N_1, ...,
 # N / N_depth) of its global batch.
 MTP_RATIOS_ATTRIBUTE = "dcp_mtp_token_ratios"
+# The ratios of the global batch the running forward-backward call drives (None outside one):
+# for micro-batches whose PackedSeqParams megatron_dcp did not build (verl's).
+_ACTIVE_RATIOS: list = [None]
+
+
+@contextlib.contextmanager
+def active_mtp_ratios(ratios: Optional[Tuple[float, ...]]) -> Iterator[None]:
+    """While the block runs, dynamic-CP micro-batches that carry no ratios of their own (no
+    ``MTP_RATIOS_ATTRIBUTE``; ``local_cp_size`` set) are weighted by ``ratios``."""
+    previous, _ACTIVE_RATIOS[0] = _ACTIVE_RATIOS[0], ratios
+    try:
+        yield
+    finally:
+        _ACTIVE_RATIOS[0] = previous
+
+
+def ratios_of(packed_seq_params: Any) -> Optional[Tuple[float, ...]]:
+    """The global ratios a micro-batch's MTP loss uses: its own (megatron_dcp packed it), else
+    those of the forward-backward call driving a dynamic-CP micro-batch, else None (megatron's
+    rule)."""
+    ratios = getattr(packed_seq_params, MTP_RATIOS_ATTRIBUTE, None)
+    if ratios is None and getattr(packed_seq_params, "local_cp_size", None) is not None:
+        return _ACTIVE_RATIOS[0]
+    return ratios
 
 
 def loss_token_counts(loss_masks: Sequence[torch.Tensor], depth: int) -> torch.Tensor:
@@ -71,7 +101,7 @@ def global_mtp_loss(original: Callable) -> Callable:
     @functools.wraps(original)
     def process_mtp_loss(hidden_states, labels, loss_mask, *args, **kwargs):
         bound = _bind(original, hidden_states, labels, loss_mask, *args, **kwargs)
-        ratios = getattr(bound["packed_seq_params"], MTP_RATIOS_ATTRIBUTE, None)
+        ratios = ratios_of(bound["packed_seq_params"])
         if ratios is None or labels is None:
             return original(hidden_states, labels, loss_mask, *args, **kwargs)
         return _weighted_mtp_loss(ratios, **bound)
@@ -161,6 +191,8 @@ MTP_PATCHES: Tuple[Patch, ...] = (
         (
             "megatron.core.models.gpt.gpt_model:process_mtp_loss",
             "megatron.core.models.hybrid.hybrid_model:process_mtp_loss",
+            # verl's MTP postprocess imports it from here (verl.models.mcore.mtp_patch)
+            "megatron.core.transformer.multi_token_prediction:process_mtp_loss",
         ),
         "process_mtp_loss weighs each MTP depth by the loss tokens of one rank's slice of one "
         "micro-batch before and after rolling: the MTP gradient depends on the packing and CP "
