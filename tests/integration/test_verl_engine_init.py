@@ -15,7 +15,7 @@ scheduler and checkpoint manager. Then one log-prob call (``infer_batch``) and o
 runs here (docs/rl.md, "verl's engine as verl builds it", has the lines):
 
 - ``vanilla_mbridge=False`` (verl's default): Megatron-Bridge (``megatron.bridge``). Its releases
-  for transformers 5 (0.4.0 to 0.6.2) require Python 3.12; installed anyway, it imports
+  0.4.0 to 0.6.2 require Python 3.12 (0.3.1: transformers < 5); installed anyway, it imports
   Transformer Engine unconditionally (``megatron/bridge/peft/lora_layers.py:20``), which needs
   CUDA, and verl asks it for the flash attention backend.
 - ``vanilla_mbridge=True`` (deprecated): mbridge 0.15.1, its last release, builds the model with
