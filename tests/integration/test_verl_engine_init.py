@@ -490,3 +490,28 @@ def test_engine_built_by_verl_dcp_on_equals_off(llama_dir):
     assert_equal_runs(on, off)
     assert max(on["ranks"][0]["local_cp_sizes"]) == 2  # the long samples ran with CP 2
     assert_checkpoint_weights(off["log_probs"], hf_log_probs(llama_dir, samples))
+
+
+def default_bridge_stop(rank: int, world_size: int, model_dir: str) -> dict:
+    """verl's default bridge, no stand-in: how far the engine gets."""
+    from megatron.core import parallel_state as mpu
+
+    use_cpu_platform()
+    enable_cpu_training()
+    megatron_dcp.install_upstream_api()
+    with pytest.raises(ImportError) as stop:
+        build_engine(model_dir, dynamic=True, stand_in=False)
+    return {"initialized": mpu.is_initialized(), "stop": repr(stop.value)}
+
+
+def test_verls_default_bridge_is_what_stops_the_engine_here(llama_dir):
+    """The engine's ``__init__`` runs (megatron initialised); ``initialize`` stops at verl's
+    import of Megatron-Bridge, the blocker named in docs/rl.md."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.bridge") is not None:
+        pytest.skip("Megatron-Bridge is installed: the blocker is gone")
+    results = run_distributed(default_bridge_stop, 2, llama_dir, timeout_s=TIMEOUT_S)
+    for result in results:
+        assert result["initialized"]
+        assert "megatron.bridge" in result["stop"], result["stop"]
