@@ -302,9 +302,8 @@ def build_engine(model_dir: str, dynamic: bool, stand_in: bool):
         dtype="bfloat16",
         seed=11,
     )
-    optimizer_config = McoreOptimizerConfig(
-        lr=1e-3, total_training_steps=1
-    )  # Adam, verl's distributed optimizer
+    # Adam under megatron's distributed optimizer (verl's defaults); the LR schedule needs a length.
+    optimizer_config = McoreOptimizerConfig(lr=1e-3, total_training_steps=1)
     engine = MegatronEngineWithLMHead(
         model_config, engine_config, optimizer_config, CheckpointConfig()
     )
@@ -442,8 +441,8 @@ def run_engine(model_dir: str, samples, dynamic: bool, stand_in: bool = True) ->
 
 def differences(on: dict, off: dict) -> dict:
     """Largest differences between the two runs (verl's last label of a sequence wraps to its
-    first token: not compared). Losses: verl reports a DP rank's loss × DP size (sft_loss), and
-    averages them over DP."""
+    first token: not compared). Losses: without DCP a DP rank reports its shard's loss × DP size
+    (``sft_loss``'s ``dp_size`` factor), and verl averages them over DP."""
     (loss_on,) = [r["loss"] for r in on["ranks"] if r["outputs"]]
     loss_off = sum(r["loss"] for r in off["ranks"]) / WORLD
     grads_on, grads_off = on["ranks"][0]["grads"], off["ranks"][0]["grads"]
