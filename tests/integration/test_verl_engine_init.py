@@ -2,7 +2,8 @@
 
 A tiny Llama (random weights, a word-level tokenizer) is written locally with ``transformers``;
 nothing is downloaded. verl's ``HFModelConfig`` reads it from that folder, and
-``MegatronEngineWithLMHead`` is constructed by its own ``__init__`` from real verl configs
+``MegatronEngineWithLMHead`` is constructed as verl's worker constructs it (``EngineRegistry.new``),
+by its own ``__init__``, from real verl configs
 (``McoreEngineConfig``, ``McoreOptimizerConfig``, ``CheckpointConfig``), which initialises
 megatron's model parallelism (with the dynamic DP×CP groups when dynamic CP is on). Then
 ``engine.initialize()`` runs verl's own code: the transformer config from the bridge, the model
@@ -40,6 +41,7 @@ gradients): the two layouts round differently, hence the tolerances below.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from functools import partial
@@ -289,6 +291,7 @@ def build_engine(model_dir: str, dynamic: bool, stand_in: bool):
     """verl's configs, its engine's ``__init__`` (megatron initialised there) and ``initialize``."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     model_config = HFModelConfig(path=model_dir)
@@ -304,9 +307,18 @@ def build_engine(model_dir: str, dynamic: bool, stand_in: bool):
     )
     # Adam under megatron's distributed optimizer (verl's defaults); the LR schedule needs a length.
     optimizer_config = McoreOptimizerConfig(lr=1e-3, total_training_steps=1)
-    engine = MegatronEngineWithLMHead(
-        model_config, engine_config, optimizer_config, CheckpointConfig()
+    # As verl's worker does (verl/workers/engine_workers.py): the registry picks the class by
+    # device; the Megatron engine is registered for cuda, VERL_ENGINE_DEVICE is verl's override.
+    os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend=engine_config.strategy,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
+        checkpoint_config=CheckpointConfig(),
     )
+    assert type(engine) is MegatronEngineWithLMHead
     engine.initialize()
     return engine
 
