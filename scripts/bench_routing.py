@@ -2,7 +2,7 @@
 """Benchmark sample routing: all-to-all to the ranks of each CP group vs all-gather of the batch.
 
 Per world size, one table with a row per rank: samples it computes, MB received and sent by
-``route_samples`` (all-to-all over the DP×CP domain) and by ``route_by_all_gather`` (every rank
+``route_samples`` (all-to-all over the DP×CP domain) and by ``route_by_lane_all_gather`` (every rank
 gets the whole batch over DP), and the median time of each. Lognormal lengths, the plan from
 ``default_dynamic_cp``, samples of four fields (tokens, labels, position_ids int64; loss_mask
 float32: 28 bytes per token). Gloo on CPU via fork-started workers: the byte counts are exact,
@@ -28,7 +28,7 @@ from megatron_dcp.runtime.exchange import GlobalLengths
 from megatron_dcp.runtime.routing import (
     RoutedSamples,
     SampleSchema,
-    route_by_all_gather,
+    route_by_lane_all_gather,
     route_samples,
 )
 from megatron_dcp.scheduling import Plan, build_scheduler
@@ -117,7 +117,7 @@ def _worker(rank: int, world_size: int, workload: Workload, iters: int) -> RankR
         lambda: route_samples(plan, local, rank, None, lengths.owner_of, schema=schema), iters
     )
     allgather, allgather_s = _median_time(
-        lambda: route_by_all_gather(
+        lambda: route_by_lane_all_gather(
             plan, local, rank, dp_groups[rank % cp], lengths.owner_of, schema=schema
         ),
         iters,
