@@ -202,9 +202,13 @@ def computed_row(workload: Workload, batches: int) -> ComputedRow:
     """The figures of ``batches`` global batches of ``workload`` (peers: one batch, and the
     union over all of them)."""
     union: list[set[int]] = [set() for _ in range(workload.size)]
-    received, peers_max, lane_received = [], 0, []
+    received, peers_max, lane_received, buffers = [], 0, [], []
     for seed in range(batches):
         plan, owner_of = workload.plan(seed), workload.lengths(seed).owner_of
+        payload = [0] * workload.dp_size  # bytes per DP replica: the gather pads to the largest
+        for i, length in enumerate(plan.seqlens):
+            payload[owner_of(i)] += 20 * length
+        buffers.append(workload.dp_size * max(payload))
         a2a = all_to_all_volume(plan, owner_of, 20)
         received.extend(v.bytes_received for v in a2a)
         peers_max = max(peers_max, max(len(v.peers) for v in a2a))
@@ -212,7 +216,6 @@ def computed_row(workload: Workload, batches: int) -> ComputedRow:
             union[v.position] |= v.peers
         lane_received.append(lane_all_gather_volume(plan, owner_of, 20)[0].bytes_received)
     lane = lane_all_gather_volume(plan, owner_of, 20)[0]
-    dp = workload.dp_size
     return ComputedRow(
         size=workload.size,
         a2a_received_mean=statistics.mean(received) / MIB,
@@ -222,7 +225,7 @@ def computed_row(workload: Workload, batches: int) -> ComputedRow:
         lane_received=statistics.mean(lane_received) / MIB,
         lane_peers=len(lane.peers),
         lane_sources=len(lane.sources),
-        lane_buffer=statistics.mean(lane_received) / MIB * dp / max(1, dp - 1),
+        lane_buffer=statistics.mean(buffers) / MIB,
     )
 
 

@@ -26,7 +26,7 @@ from megatron_dcp.integration.model_cost import (
 )
 from megatron_dcp.integration.node_layout import RANKS_PER_NODE_FLAG, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
-from megatron_dcp.runtime.routing import ALL_TO_ALL, ROUTING_METHODS
+from megatron_dcp.runtime.routing import LANE_ALL_GATHER, ROUTING_METHODS
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import budget_multiple, is_power_of_two
@@ -45,8 +45,9 @@ COST_ADAPT_FLAG = "--dcp-cost-adapt"
 PREFETCH_FLAG = "--dcp-prefetch"
 ROUTING_FLAG = "--dcp-routing"
 DEFAULT_SCHEDULER = "default_dynamic_cp"
-# Chosen by measurement: docs/scaling.md, "Routing".
-DEFAULT_ROUTING = ALL_TO_ALL
+# Chosen by measurement (docs/scaling.md, "Routing"): on GPUs the all-to-all's point-to-point
+# buffers (per connected peer and channel) outweigh the lane's extra bytes up to thousands of ranks.
+DEFAULT_ROUTING = LANE_ALL_GATHER
 
 # The training flags of the scheduling parameters that SchedulingErrors name.
 FLAGS = {
