@@ -65,9 +65,7 @@ def all_to_all_volume(
     ]
 
 
-def lane_all_gather_volume(
-    plan: Plan, owner_of: OwnerFn, bytes_per_token: int
-) -> list[RankVolume]:
+def lane_all_gather_volume(plan: Plan, owner_of: OwnerFn, bytes_per_token: int) -> list[RankVolume]:
     """Per position, the figures of ``route_by_lane_all_gather`` for ``plan``: every rank of a
     lane of d ranks receives (d − 1) buffers of the largest DP replica's payload."""
     dp_size, cp_size = plan.domain.dp_size, plan.domain.cp_size

@@ -48,7 +48,9 @@ def random_plan(dp: int, cp: int, seed: int, min_cp: int = 1) -> tuple[Plan, tup
     rng = random.Random(seed)
     budget = 48
     count = rng.randint(dp * cp, 6 * dp * cp)
-    seqlens = [min(dp * cp * budget, max(1, int(rng.lognormvariate(3.3, 1.1)))) for _ in range(count)]
+    seqlens = [
+        min(dp * cp * budget, max(1, int(rng.lognormvariate(3.3, 1.1)))) for _ in range(count)
+    ]
     cuts = sorted(rng.randint(0, count) for _ in range(dp - 1))
     counts = tuple(b - a for a, b in zip([0, *cuts], [*cuts, count]))
     scheduler = build_scheduler(

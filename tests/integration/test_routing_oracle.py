@@ -53,7 +53,9 @@ def routed_step(rank: int, world_size: int, samples, routing: str, cp: int, pp: 
 
 
 @pytest.mark.parametrize("routing", ROUTING_METHODS)
-@pytest.mark.parametrize("cp, pp, world", [(2, 1, 4), (1, 1, 4), (2, 2, 8)], ids=["dp2cp2", "dp4cp1", "pp2dp2cp2"])
+@pytest.mark.parametrize(
+    "cp, pp, world", [(2, 1, 4), (1, 1, 4), (2, 2, 8)], ids=["dp2cp2", "dp4cp1", "pp2dp2cp2"]
+)
 def test_dcp_step_equals_single_process_with_either_routing(routing, cp, pp, world):
     samples = make_samples(LENGTHS, OPTIONS.vocab_size, seed=7)
     expected = single_process_reference(samples, OPTIONS)
