@@ -1,5 +1,6 @@
 """Length exchange and sample routing: each rank receives exactly its CP groups' samples, intact,
-with one all-to-all; the all-gather baseline yields the same samples."""
+with one all-to-all; the lane all-gather (`--dcp-routing lane-all-gather`) yields the same samples
+(more in test_routing.py)."""
 
 from __future__ import annotations
 
