@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_dcp.runtime.exchange import all_gather_equal
 from megatron_dcp.scheduling import Plan
 
 Sample = dict[str, Tensor]
@@ -312,9 +311,7 @@ def route_by_lane_all_gather(
     _check_local_samples(plan, local_samples, position, owner_of, schema)
     largest = max(_sample_bytes(schema, plan, ids) for ids in ids_by_dp.values())
     own, _ = _pack({0: ids_by_dp[dp_rank]}, local_samples, schema, 1, _device_of(local_samples))
-    padded = torch.zeros(largest, dtype=torch.uint8, device=own.device)
-    padded[: own.numel()] = own
-    rows = all_gather_equal(padded, lane_group)
+    rows = _gather_rows(own, largest, plan.domain.dp_size, lane_group)
     needed = set(needed_samples(plan)[position])
     samples: dict[int, Sample] = {}
     for d, row in enumerate(rows):
@@ -361,6 +358,21 @@ def _check_position(plan: Plan, position: int, domain_group: Optional[ProcessGro
             f"position {position} differs from this rank's index {dist.get_rank(domain_group)} "
             f"in domain_group; positions are indices in the DP×CP group (dp_rank·cp_size+cp_rank)"
         )
+
+
+def _gather_rows(
+    own: Tensor, largest: int, lane_size: int, lane_group: Optional[ProcessGroup]
+) -> list[Tensor]:
+    """Every lane rank's buffer (``own`` padded to ``largest``), as views of one flat gather
+    buffer: list-form ``all_gather`` on NCCL gathers into a flat buffer and copies out, twice
+    the memory of the whole batch; ``all_gather_single`` (formerly ``all_gather_into_tensor``,
+    on gloo sub-groups too) fills ours directly."""
+    padded = torch.zeros(largest, dtype=torch.uint8, device=own.device)
+    padded[: own.numel()] = own
+    flat = torch.empty(largest * lane_size, dtype=torch.uint8, device=own.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(flat, padded, group=lane_group)
+    return list(flat.view(lane_size, largest))
 
 
 def _check_lane(plan: Plan, position: int, lane_group: Optional[ProcessGroup]) -> None:
