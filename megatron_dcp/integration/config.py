@@ -26,6 +26,7 @@ from megatron_dcp.integration.model_cost import (
 )
 from megatron_dcp.integration.node_layout import RANKS_PER_NODE_FLAG, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
+from megatron_dcp.runtime.routing import LANE_ALL_GATHER, ROUTING_METHODS
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import budget_multiple, is_power_of_two
@@ -42,7 +43,11 @@ COST_PROFILE_FLAG = "--dcp-cost-profile"
 HARDWARE_FLAG = "--dcp-hardware-profile"
 COST_ADAPT_FLAG = "--dcp-cost-adapt"
 PREFETCH_FLAG = "--dcp-prefetch"
+ROUTING_FLAG = "--dcp-routing"
 DEFAULT_SCHEDULER = "default_dynamic_cp"
+# Chosen by measurement (docs/scaling.md, "Routing"): on GPUs the all-to-all's point-to-point
+# buffers (per connected peer and channel) outweigh the lane's extra bytes up to thousands of ranks.
+DEFAULT_ROUTING = LANE_ALL_GATHER
 
 # The training flags of the scheduling parameters that SchedulingErrors name.
 FLAGS = {
@@ -102,6 +107,15 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=("on", "off"),
         help="Read, plan and route the next global batch in a background thread while the "
         "current one trains (default on; the same plans and losses as off).",
+    )
+    group.add_argument(
+        ROUTING_FLAG,
+        default=DEFAULT_ROUTING,
+        choices=ROUTING_METHODS,
+        help="How samples reach the ranks of their CP groups: one all-to-all over the DP×CP "
+        "domain (fewest bytes, point-to-point connections to any rank) or one all-gather inside "
+        "each CP lane, the DP group (the whole batch to every rank, no new connections); "
+        f"default {DEFAULT_ROUTING}, docs/scaling.md 'Routing'.",
     )
     add_cost_args(group)
     return parser
@@ -166,6 +180,8 @@ class DCPConfig:
     hardware: Optional[str] = None
     # Prepare the next global batch in the background (``integration.prefetch``).
     prefetch: bool = False
+    # How samples reach their CP groups' ranks (``runtime.routing``: ROUTING_METHODS).
+    routing: str = DEFAULT_ROUTING
 
     def __post_init__(self) -> None:
         check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
@@ -174,6 +190,11 @@ class DCPConfig:
         if not isinstance(self.prefetch, bool):
             raise ValueError(
                 f"{PREFETCH_FLAG}={self.prefetch!r}: must be on or off (DCPConfig.prefetch: bool)."
+            )
+        if self.routing not in ROUTING_METHODS:
+            raise ValueError(
+                f"{ROUTING_FLAG}={self.routing!r}: must be one of {', '.join(ROUTING_METHODS)} "
+                "(DCPConfig.routing)."
             )
         ranks_per_node(self.ranks_per_node)
         if not is_power_of_two(self.min_cp_size):
@@ -208,6 +229,7 @@ class DCPConfig:
             ranks_per_node=ranks_per_node(getattr(args, "dcp_ranks_per_node", None)),
             hardware=getattr(args, "dcp_hardware_profile", None),
             prefetch=getattr(args, "dcp_prefetch", "on") == "on",
+            routing=getattr(args, "dcp_routing", DEFAULT_ROUTING),
         )
 
     @classmethod

@@ -8,7 +8,8 @@ wraps. Once per global batch it
    (``num_microbatches × micro_batch_size`` of them: what megatron itself would consume),
 2. exchanges the lengths over DP and plans the batch (every rank computes the same plan, which
    the plan-consistency guard checks: ``runtime.plan_guard``),
-3. routes the samples so that each rank holds exactly those of its CP groups (all-to-all),
+3. routes the samples so that each rank holds exactly those of its CP groups (an all-to-all over
+   DP×CP, or an all-gather inside each CP lane: ``--dcp-routing``),
 4. packs each micro-batch of this rank as THD with zigzag CP slicing and a ``PackedSeqParams``
    that names the micro-batch's CP group,
 5. runs the real schedule (no pipelining, 1F1B or interleaved VPP) on those micro-batches.
@@ -44,7 +45,13 @@ from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gath
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
 from megatron_dcp.runtime.plan_guard import check_same_plan
-from megatron_dcp.runtime.routing import RoutedSamples, SampleSchema, route_samples
+from megatron_dcp.runtime.routing import (
+    LANE_ALL_GATHER,
+    RoutedSamples,
+    SampleSchema,
+    route_by_lane_all_gather,
+    route_samples,
+)
 from megatron_dcp.scheduling import CostModel, CPGroup, Plan
 from megatron_dcp.scheduling.metrics import plan_imbalance
 from megatron_dcp.scheduling.registry import Scheduler
@@ -209,10 +216,16 @@ class DCPForwardBackward:
     def route(
         self, plan: Plan, lengths: GlobalLengths, samples: Sequence[Sample], comm: Comm
     ) -> RoutedSamples:
-        """Step 3: send and receive samples so that this rank holds those of its groups."""
+        """Step 3: send and receive samples so that this rank holds those of its groups, by the
+        configured method (``--dcp-routing``): an all-to-all over the DP×CP group, or an
+        all-gather over the DP group, which is this rank's CP lane (same CP rank, every DP
+        rank)."""
         ids = lengths.ids_of(torch.distributed.get_rank(comm.dp_group))
         local = dict(zip(ids, samples))
-        return route_samples(plan, local, self.groups.position, comm.domain_group, lengths.owner_of)
+        position, owner_of = self.groups.position, lengths.owner_of
+        if self.config.routing == LANE_ALL_GATHER:
+            return route_by_lane_all_gather(plan, local, position, comm.dp_group, owner_of)
+        return route_samples(plan, local, position, comm.domain_group, owner_of)
 
     def pack(
         self, plan: Plan, index: int, samples: Mapping[int, Sample], device: torch.device

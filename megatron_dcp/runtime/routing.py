@@ -1,11 +1,18 @@
 """Sample routing for one global batch (docs/architecture.md, "The life of one global batch").
 
-``route_samples``: every rank receives only the samples of the CP groups it belongs to in the
-plan, with one all-to-all over the DP×CP domain (one byte buffer per destination). In megatron
-every CP rank of a DP replica holds that replica's samples, so each (sample, destination) pair
-has ``cp_size`` possible senders; the routing table picks one so that the sending load is
-spread over them. ``route_by_all_gather`` is the baseline in which every rank receives the
-whole batch, for benchmarks only.
+Two ways to give every rank the samples of the CP groups it belongs to in the plan
+(``--dcp-routing``, docs/runtime.md "Routing"):
+
+- ``route_samples`` (``all-to-all``): one all-to-all over the DP×CP domain (one byte buffer per
+  destination). In megatron every CP rank of a DP replica holds that replica's samples, so each
+  (sample, destination) pair has ``cp_size`` possible senders; the routing table picks one so
+  that the sending load is spread over them. Fewest bytes; a rank may exchange with any rank
+  of the domain, which under NCCL costs point-to-point buffers per connected peer.
+- ``route_by_lane_all_gather`` (``lane-all-gather``): one all-gather inside this rank's *CP
+  lane*, the ranks at the same CP rank across the DP replicas (megatron's DP group of this
+  rank, ``lane_positions``). One rank per replica sits in every lane and holds the replica's
+  samples, so the lane together holds the whole batch: each rank receives all of it and keeps
+  its groups' samples. More bytes; only the collective connections the DP group has anyway.
 
 Facts about gloo (torch 2.13, CPU) that shape this module: list-form ``all_to_all`` and
 ``all_gather`` reject tensors of unequal sizes; ``all_to_all_single`` with uneven (and zero)
@@ -23,12 +30,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_dcp.runtime.exchange import all_gather_equal
 from megatron_dcp.scheduling import Plan
 
 Sample = dict[str, Tensor]
 OwnerFn = Callable[[int], int]
 Device = Union[torch.device, str]
+
+ALL_TO_ALL = "all-to-all"
+LANE_ALL_GATHER = "lane-all-gather"
+ROUTING_METHODS = (ALL_TO_ALL, LANE_ALL_GATHER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +93,14 @@ def holders(plan: Plan, dp_rank: int) -> range:
     """Positions holding a DP rank's samples: its CP ranks (dp_rank·cp_size + cp_rank)."""
     cp_size = plan.domain.cp_size
     return range(dp_rank * cp_size, (dp_rank + 1) * cp_size)
+
+
+def lane_positions(plan: Plan, position: int) -> range:
+    """The CP lane of ``position``: the positions at its CP rank in every DP replica
+    (``cp_rank``, ``cp_rank + cp_size``, ...), in DP-rank order. It is megatron's DP group of
+    that rank, and it holds one copy of every DP replica's samples."""
+    cp_size = plan.domain.cp_size
+    return range(position % cp_size, plan.domain.size, cp_size)
 
 
 def build_routing_table(plan: Plan, owner_of: OwnerFn) -> RoutingTable:
@@ -266,44 +284,49 @@ def route_samples(
     )
 
 
-def route_by_all_gather(
+def route_by_lane_all_gather(
     plan: Plan,
     local_samples: Mapping[int, Sample],
     position: int,
-    dp_group: Optional[ProcessGroup],
+    lane_group: Optional[ProcessGroup],
     owner_of: OwnerFn,
     *,
-    schema: SampleSchema,
+    schema: Optional[SampleSchema] = None,
 ) -> RoutedSamples:
-    """Baseline for benchmarks: all-gather the whole batch over DP, keep this rank's samples.
+    """Give this rank the samples of its CP groups with one all-gather inside its CP lane.
 
-    Each DP rank's samples are packed into one buffer padded to the largest (gloo's all-gather
-    needs equal sizes); ``dp_group``'s group rank must be this position's DP rank.
+    The lane (``lane_positions``: megatron's DP group of this rank, group rank = DP rank) holds
+    one copy of each DP replica's samples, so gathering over it brings the whole batch; this
+    rank keeps the samples of its own groups and drops the rest. Each DP rank's samples travel
+    as one buffer padded to the largest (gloo's all-gather needs equal sizes). It connects a
+    rank only to its lane, over the collective connections the DP group already has, where the
+    all-to-all connects it point to point to any rank of the domain (docs/scaling.md). Same
+    arguments and result as ``route_samples``, with ``lane_group`` for ``domain_group``.
     """
     dp_rank = position // plan.domain.cp_size
-    if dist.get_rank(dp_group) != dp_rank:
-        raise ValueError(f"dp_group rank {dist.get_rank(dp_group)} is not DP rank {dp_rank}")
+    _check_lane(plan, position, lane_group)
+    schema = schema if schema is not None else agree_on_schema(local_samples, lane_group)
     owners = [_checked_owner(owner_of, i, plan.domain.dp_size) for i in range(len(plan.seqlens))]
     ids_by_dp = {d: [i for i, o in enumerate(owners) if o == d] for d in range(plan.domain.dp_size)}
     _check_local_samples(plan, local_samples, position, owner_of, schema)
     largest = max(_sample_bytes(schema, plan, ids) for ids in ids_by_dp.values())
     own, _ = _pack({0: ids_by_dp[dp_rank]}, local_samples, schema, 1, _device_of(local_samples))
-    padded = torch.zeros(largest, dtype=torch.uint8, device=own.device)
-    padded[: own.numel()] = own
-    rows = all_gather_equal(padded, dp_group)
+    rows = _gather_rows(own, largest, plan.domain.dp_size, lane_group)
     needed = set(needed_samples(plan)[position])
     samples: dict[int, Sample] = {}
     for d, row in enumerate(rows):
-        size = _sample_bytes(schema, plan, ids_by_dp[d])
-        unpacked = _unpack(row[:size], {0: ids_by_dp[d]}, plan, schema, 1)
-        samples.update({i: s for i, s in unpacked.items() if i in needed})
+        if d != dp_rank and any(i in needed for i in ids_by_dp[d]):
+            size = _sample_bytes(schema, plan, ids_by_dp[d])
+            unpacked = _unpack(row[:size], {0: ids_by_dp[d]}, plan, schema, 1)
+            samples.update({i: s for i, s in unpacked.items() if i in needed})
+    kept = [i for i in sorted(needed) if owners[i] == dp_rank]
+    samples.update({i: local_samples[i] for i in kept})
     others = largest * (plan.domain.dp_size - 1)
-    local = _sample_bytes(schema, plan, [i for i in needed if owners[i] == dp_rank])
     return RoutedSamples(
         samples={i: samples[i] for i in sorted(samples)},
         bytes_received=others,
         bytes_sent=others,
-        bytes_local=local,
+        bytes_local=_sample_bytes(schema, plan, kept),
     )
 
 
@@ -334,6 +357,32 @@ def _check_position(plan: Plan, position: int, domain_group: Optional[ProcessGro
         raise ValueError(
             f"position {position} differs from this rank's index {dist.get_rank(domain_group)} "
             f"in domain_group; positions are indices in the DP×CP group (dp_rank·cp_size+cp_rank)"
+        )
+
+
+def _gather_rows(
+    own: Tensor, largest: int, lane_size: int, lane_group: Optional[ProcessGroup]
+) -> list[Tensor]:
+    """Every lane rank's buffer (``own`` padded to ``largest``), as views of one flat gather
+    buffer: list-form ``all_gather`` on NCCL gathers into a flat buffer and copies out, twice
+    the memory of the whole batch; ``all_gather_single`` (formerly ``all_gather_into_tensor``,
+    on gloo sub-groups too) fills ours directly."""
+    padded = torch.zeros(largest, dtype=torch.uint8, device=own.device)
+    padded[: own.numel()] = own
+    flat = torch.empty(largest * lane_size, dtype=torch.uint8, device=own.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(flat, padded, group=lane_group)
+    return list(flat.view(lane_size, largest))
+
+
+def _check_lane(plan: Plan, position: int, lane_group: Optional[ProcessGroup]) -> None:
+    size, rank = dist.get_world_size(lane_group), dist.get_rank(lane_group)
+    dp_rank = position // plan.domain.cp_size
+    if size != plan.domain.dp_size or rank != dp_rank:
+        raise ValueError(
+            f"lane_group has {size} ranks and this rank is its rank {rank}; the CP lane of "
+            f"position {position} has {plan.domain.dp_size} ranks (one per DP replica) and this "
+            f"rank is its rank {dp_rank}: pass megatron's DP group (same CP rank, every DP rank)"
         )
 
 

@@ -1,5 +1,6 @@
 """Length exchange and sample routing: each rank receives exactly its CP groups' samples, intact,
-with one all-to-all; the all-gather baseline yields the same samples."""
+with one all-to-all; the lane all-gather (`--dcp-routing lane-all-gather`) yields the same samples
+(more in test_routing.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from megatron_dcp.runtime.exchange import (
 from megatron_dcp.runtime.routing import (
     SampleSchema,
     build_routing_table,
-    route_by_all_gather,
+    route_by_lane_all_gather,
     route_samples,
 )
 from megatron_dcp.scheduling import CPGroup, Domain, MicroBatch, Plan, build_scheduler
@@ -134,7 +135,7 @@ def _route_worker(rank: int, world_size: int, case: dict) -> dict:
     schema = None if case.get("infer_schema") else SCHEMA
     routed = route_samples(plan, local, rank, None, lengths.owner_of, schema=schema)
     groups = dp_groups(plan.domain.dp_size, plan.domain.cp_size)
-    baseline = route_by_all_gather(
+    baseline = route_by_lane_all_gather(
         plan, local, rank, groups[cp_rank], lengths.owner_of, schema=SCHEMA
     )
     assert baseline.samples.keys() == routed.samples.keys()
