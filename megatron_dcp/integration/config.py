@@ -26,7 +26,7 @@ from megatron_dcp.integration.model_cost import (
 )
 from megatron_dcp.integration.node_layout import RANKS_PER_NODE_FLAG, ranks_per_node
 from megatron_dcp.runtime.packing import padding_multiple
-from megatron_dcp.runtime.routing import LANE_ALL_GATHER, ROUTING_METHODS
+from megatron_dcp.runtime.routing import ROUTING_METHODS
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import budget_multiple, is_power_of_two
@@ -47,7 +47,10 @@ ROUTING_FLAG = "--dcp-routing"
 DEFAULT_SCHEDULER = "default_dynamic_cp"
 # Chosen by measurement (docs/scaling.md, "Routing"): on GPUs the all-to-all's point-to-point
 # buffers (per connected peer and channel) outweigh the lane's extra bytes up to thousands of ranks.
-DEFAULT_ROUTING = LANE_ALL_GATHER
+# By backend: the all-to-all on gloo (measured faster, fewer bytes), the lane all-gather on NCCL
+# (no point-to-point buffers per peer); docs/scaling.md 'Routing'.
+AUTO_ROUTING = "auto"
+DEFAULT_ROUTING = AUTO_ROUTING
 
 # The training flags of the scheduling parameters that SchedulingErrors name.
 FLAGS = {
@@ -111,11 +114,12 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         ROUTING_FLAG,
         default=DEFAULT_ROUTING,
-        choices=ROUTING_METHODS,
+        choices=(AUTO_ROUTING, *ROUTING_METHODS),
         help="How samples reach the ranks of their CP groups: one all-to-all over the DP×CP "
         "domain (fewest bytes, point-to-point connections to any rank) or one all-gather inside "
         "each CP lane, the DP group (the whole batch to every rank, no new connections); "
-        f"default {DEFAULT_ROUTING}, docs/scaling.md 'Routing'.",
+        "default auto: the all-to-all on gloo (the CPU backend), the lane all-gather on NCCL; "
+        "docs/scaling.md 'Routing'.",
     )
     add_cost_args(group)
     return parser
@@ -191,9 +195,10 @@ class DCPConfig:
             raise ValueError(
                 f"{PREFETCH_FLAG}={self.prefetch!r}: must be on or off (DCPConfig.prefetch: bool)."
             )
-        if self.routing not in ROUTING_METHODS:
+        if self.routing not in (AUTO_ROUTING, *ROUTING_METHODS):
             raise ValueError(
-                f"{ROUTING_FLAG}={self.routing!r}: must be one of {', '.join(ROUTING_METHODS)} "
+                f"{ROUTING_FLAG}={self.routing!r}: must be one of "
+                f"{', '.join((AUTO_ROUTING, *ROUTING_METHODS))} "
                 "(DCPConfig.routing)."
             )
         ranks_per_node(self.ranks_per_node)

@@ -89,7 +89,7 @@ def test_the_flag_reaches_the_config_and_an_unknown_method_is_refused():
         )
         return DCPConfig.from_args(args)
 
-    assert from_flags().routing == DEFAULT_ROUTING
+    assert from_flags().routing == DEFAULT_ROUTING == "auto"
     assert from_flags("--dcp-routing", "lane-all-gather").routing == "lane-all-gather"
     assert from_flags("--dcp-routing", "all-to-all").routing == "all-to-all"
     with pytest.raises(SystemExit):  # argparse: not a choice
@@ -97,6 +97,15 @@ def test_the_flag_reaches_the_config_and_an_unknown_method_is_refused():
     with pytest.raises(ValueError) as error:
         DCPConfig(max_seqlen_per_dp_cp_rank=64, routing="all_gather")
     assert str(error.value) == (
-        "--dcp-routing='all_gather': must be one of all-to-all, lane-all-gather "
+        "--dcp-routing='all_gather': must be one of auto, all-to-all, lane-all-gather "
         "(DCPConfig.routing)."
     )
+
+
+def test_auto_routes_with_the_all_to_all_on_gloo():
+    samples = make_samples(LENGTHS, OPTIONS.vocab_size, seed=7)
+    expected = single_process_reference(samples, OPTIONS)
+    step = partial(routed_step, routing="auto", cp=2, pp=1)
+    for result, calls in run_distributed(step, 4, samples, timeout_s=300):
+        assert_step_matches(result, expected)
+        assert calls == ["route_samples"]
