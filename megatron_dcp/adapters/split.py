@@ -28,6 +28,7 @@ from megatron_dcp.integration.patches.mtp_loss import (
     token_ratios,
 )
 from megatron_dcp.runtime.groups import DCPGroups
+from megatron_dcp.runtime.pack_padding import NO_PADDING
 from megatron_dcp.runtime.packing import PackedMicroBatch, zigzag_slice
 from megatron_dcp.scheduling import CPGroup, Plan
 
@@ -107,6 +108,11 @@ def split_batch(
     model's MTP layers; each micro-batch then names the mini-batch's MTP token ratios, so the
     MTP loss is weighted by global token counts (``integration.patches.mtp_loss``).
     """
+    if config.pack_padding != NO_PADDING:
+        raise ValueError(
+            f"DCPConfig.pack_padding={config.pack_padding}: the RL adapter packs without pack "
+            "padding (merge_outputs reads the packs' layout); leave pack_padding at its default."
+        )
     clean = [as_sample(sample) for sample in samples]
     seqlens = [int(sample["tokens"].numel()) for sample in clean]
     if plan is None:

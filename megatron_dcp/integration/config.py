@@ -25,6 +25,13 @@ from megatron_dcp.integration.model_cost import (
     model_shape_of,
 )
 from megatron_dcp.integration.node_layout import RANKS_PER_NODE_FLAG, ranks_per_node
+from megatron_dcp.integration.packing_flags import (
+    add_packing_args,
+    check_pack_padding,
+    pack_padding_from_args,
+    padded_cost,
+)
+from megatron_dcp.runtime.pack_padding import NO_PADDING, PackPadding
 from megatron_dcp.runtime.packing import padding_multiple
 from megatron_dcp.runtime.routing import ROUTING_METHODS
 from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, build_scheduler
@@ -104,6 +111,7 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "baseline.",
     )
     add_data_args(group)
+    add_packing_args(group)
     group.add_argument(
         PREFETCH_FLAG,
         default="on",
@@ -186,11 +194,16 @@ class DCPConfig:
     prefetch: bool = False
     # How samples reach their CP groups' ranks (``runtime.routing``: ROUTING_METHODS).
     routing: str = DEFAULT_ROUTING
+    # Padding of each rank's whole pack (Megatron dev's packing flags, ``packing_flags``).
+    pack_padding: PackPadding = NO_PADDING
 
     def __post_init__(self) -> None:
         check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
         check_scheduler(self.scheduler)
         check_cost(self.cost_model, self.cost_adapt)
+        check_pack_padding(
+            self.pack_padding, self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel
+        )
         if not isinstance(self.prefetch, bool):
             raise ValueError(
                 f"{PREFETCH_FLAG}={self.prefetch!r}: must be on or off (DCPConfig.prefetch: bool)."
@@ -235,6 +248,7 @@ class DCPConfig:
             hardware=getattr(args, "dcp_hardware_profile", None),
             prefetch=getattr(args, "dcp_prefetch", "on") == "on",
             routing=getattr(args, "dcp_routing", DEFAULT_ROUTING),
+            pack_padding=pack_padding_from_args(args),
         )
 
     @classmethod
@@ -305,6 +319,7 @@ class DCPConfig:
                 microbatch_group_size_per_vp_stage=self.vpp_group,
                 cost_model=self.cost_model,
             )
+            scheduler.cost_model = padded_cost(scheduler.cost_model, self.pack_padding)
             if domain_ranks is not None:
                 hardware = self.hardware or default_hardware_name()
                 layout = node_layout(scheduler.domain, domain_ranks, self.ranks_per_node, hardware)

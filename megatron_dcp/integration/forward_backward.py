@@ -43,6 +43,7 @@ from megatron_dcp.integration.process_groups import (
 )
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
+from megatron_dcp.runtime.pack_padding import NO_PADDING, PackPadding
 from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
 from megatron_dcp.runtime.plan_guard import check_same_plan
 from megatron_dcp.runtime.routing import (
@@ -234,7 +235,9 @@ class DCPForwardBackward:
         """Step 4: this rank's share of micro-batch ``index``, on ``device``."""
         group = plan.microbatches[index].group_of(self.groups.position)
         multiple = self.config.pad_multiple(group.size)
-        packed, cp_group = pack_group(group, samples, self.groups, multiple)
+        packed, cp_group = pack_group(
+            group, samples, self.groups, multiple, self.config.pack_padding
+        )
         batch = batch_of(packed.to(device), cp_group)
         if self.tp_cp_groups is not None:
             tp_cp = tp_cp_group_for(self.tp_cp_groups, self.groups, group)
@@ -253,15 +256,20 @@ def routing_method(configured: str, domain_group: Any) -> str:
 
 
 def pack_group(
-    group: CPGroup, samples: Mapping[int, Sample], groups: DCPGroups, pad_multiple: int
+    group: CPGroup,
+    samples: Mapping[int, Sample],
+    groups: DCPGroups,
+    pad_multiple: int,
+    padding: PackPadding = NO_PADDING,
 ) -> Tuple[PackedMicroBatch, Any]:
     """This rank's zigzag share of a plan's CP ``group`` (its samples packed as THD, in plan
-    order) and the group's communicator (None at size 1)."""
+    order, the pack padded as ``padding`` says) and the group's communicator (None at size 1)."""
     packed = pack_samples(
         [samples[i] for i in group.sample_ids],
         group.size,
         groups.position - group.ranks[0],
         pad_multiple,
+        padding,
     )
     return packed, groups.group_for(group)
 

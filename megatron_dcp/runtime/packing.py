@@ -9,6 +9,9 @@ The local sequences are concatenated in order.
 Edge cases: zero-length samples are dropped (they carry neither tokens nor loss); a group left
 with no tokens packs one all-padding sequence of ``pad_multiple`` tokens, so every rank still runs
 a (loss-free) forward and backward and takes part in the collectives of its peers.
+
+A :class:`~megatron_dcp.runtime.pack_padding.PackPadding` pads the whole pack further (an aligned
+or fixed local length, a fixed number of ``cu_seqlens`` entries); see that module.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import torch
+
+from megatron_dcp.runtime.pack_padding import NO_PADDING, PackPadding
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 Sample = Mapping[str, torch.Tensor]
@@ -156,11 +161,16 @@ def _padding_only(pad_multiple: int) -> dict[str, torch.Tensor]:
 
 
 def pack_samples(
-    samples: Sequence[Sample], cp_size: int, cp_rank: int, pad_multiple: int
+    samples: Sequence[Sample],
+    cp_size: int,
+    cp_rank: int,
+    pad_multiple: int,
+    padding: PackPadding = NO_PADDING,
 ) -> PackedMicroBatch:
     """Pack ``samples`` (dicts of equal-length 1-D tensors: ``tokens``, ``labels``,
     ``loss_mask``, optionally ``position_ids``) as THD and keep rank ``cp_rank``'s zigzag share of
-    a CP group of size ``cp_size``. ``pad_multiple`` comes from ``padding_multiple``."""
+    a CP group of size ``cp_size``. ``pad_multiple`` comes from ``padding_multiple``; ``padding``
+    pads the whole pack (default: nothing more)."""
     _check_layout(cp_size, cp_rank, pad_multiple)
     lengths = [_check_sample(index, sample) for index, sample in enumerate(samples)]
     kept = [(s, n) for s, n in zip(samples, lengths) if n > 0]
@@ -168,18 +178,48 @@ def pack_samples(
     real = [n for _, n in kept]
     if not padded:
         padded, real = [_padding_only(pad_multiple)], [0]
+    _pad_tail(padded, real, cp_size, padding)
     cu_seqlens_padded = _cumulative([p["tokens"].numel() for p in padded])
     local = local_token_indices(cu_seqlens_padded, cp_size, cp_rank)
     fields = {name: torch.cat([p[name] for p in padded])[local].unsqueeze(0) for name in FIELDS}
     return PackedMicroBatch(
         **fields,
-        cu_seqlens=_cumulative(real),
-        cu_seqlens_padded=cu_seqlens_padded,
+        cu_seqlens=_fixed(_cumulative(real), padding),
+        cu_seqlens_padded=_fixed(cu_seqlens_padded, padding),
         max_seqlen=int((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).max()),
         cp_size=cp_size,
         cp_rank=cp_rank,
         num_tokens=int((fields["loss_mask"] != 0).sum()),
     )
+
+
+def _pad_tail(padded: list, real: list, cp_size: int, padding: PackPadding) -> None:
+    """Add the tail ``padding`` asks for to the global layout (before CP slicing, so each rank
+    of the group receives ``tail / cp_size`` of it): a dummy sequence or a longer last one."""
+    local = sum(p["tokens"].numel() for p in padded) // cp_size
+    tail = (padding.local_target(local) - local) * cp_size
+    if tail % (2 * cp_size if cp_size > 1 else 1):
+        raise ValueError(
+            f"a tail of {tail} tokens does not split into the {2 * cp_size} zigzag chunks of CP "
+            f"size {cp_size}: the alignment must be even (got {padding.alignment})"
+        )
+    if not tail:
+        return
+    if padding.tail_policy == "append_dummy_seq":
+        padded.append(_pad_sample({name: torch.zeros(0) for name in FIELDS[:3]}, 0, tail))
+        real.append(0)
+    else:
+        last = padded[-1]
+        length = int(last["tokens"].numel())
+        padded[-1] = {
+            **{name: _pad(last[name], tail, 0) for name in FIELDS[:3]},
+            "position_ids": torch.cat([last["position_ids"], torch.arange(length, length + tail)]),
+        }
+
+
+def _fixed(bounds: torch.Tensor, padding: PackPadding) -> torch.Tensor:
+    """``bounds`` with ``padding.max_sequences + 1`` entries (the last one repeated)."""
+    return torch.tensor(padding.fixed_entries(bounds.tolist()), dtype=torch.int32)
 
 
 def _check_layout(cp_size: int, cp_rank: int, pad_multiple: int) -> None:

@@ -14,6 +14,7 @@ from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.forward_backward import build_forward_backward
 from megatron_dcp.integration.patches import apply_patches
 from megatron_dcp.integration.training.forward_step import forward_step
+from megatron_dcp.runtime.pack_padding import NO_PADDING, PackPadding
 from megatron_dcp.scheduling import CostModel
 from megatron_dcp.testing.gpt import (
     Sample,
@@ -56,10 +57,12 @@ def dcp_training_step(
     options: Optional[TinyGPTOptions] = None,
     overlap: CommOverlap = NO_OVERLAP,
     cost_model: Optional[CostModel] = None,
+    pack_padding: PackPadding = NO_PADDING,
 ) -> DCPStepResult:
     """One forward-backward of ``samples`` (the global batch, split evenly over DP ranks);
     ``overlap``: its p2p settings (``testing.overlap``; a step without DDP has no others);
-    ``cost_model``: what the scheduler plans with (default: the model's on this backend)."""
+    ``cost_model``: what the scheduler plans with (default: the model's on this backend);
+    ``pack_padding``: the padding of each rank's pack (Megatron dev's packing flags)."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
@@ -73,6 +76,7 @@ def dcp_training_step(
         scheduler=scheduler,
         min_cp_size=min_cp_size,
         cost_model=cost_model,
+        pack_padding=pack_padding,
     )
     wrapper = build_forward_backward(chunks[0].config, dcp)
     dp_rank = parallel_state.get_data_parallel_rank()
