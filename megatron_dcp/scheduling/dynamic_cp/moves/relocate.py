@@ -1,4 +1,4 @@
-"""Step 7 of ``default_dynamic_cp``: ``exchange_between_rows`` moves and swaps samples between
+"""Step 7 of ``default_dynamic_cp``: ``exchange_between_microbatches`` moves and swaps samples between
 micro-batches while that shortens the critical path.
 
 The earlier steps balance each micro-batch on its own; what one micro-batch cannot fix (the
@@ -14,18 +14,18 @@ its token budget and minimum CP size. Two exchanges are tried, best gain first:
 
 When the top group ties with another group of its micro-batch, no single exchange lowers the
 peak; with ``ties`` (the last search, on the chosen plan) the exchange of one of its
-``TIE_ITEMS`` longest samples that lowers it most while no peak grows is made then (a *tie
+``knobs.tie_items`` longest samples that lowers it most while no peak grows is made then (a *tie
 break*), and the next search can lower the other.
 
 The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
 rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by
-at least ``MIN_GAIN`` of a peak or, breaking a tie, keeps every peak and lowers a top group by
+at least ``knobs.min_gain`` of a peak or, breaking a tie, keeps every peak and lowers a top group by
 that much; the passes are bounded. A pass visits the micro-batches
-most-loaded first, each making at most ``EXCHANGE_STEPS`` exchanges; at most
-``EXCHANGE_PASSES`` passes, on plans of at most ``EXCHANGE_ROWS`` micro-batches. A receiving
-micro-batch offers, per CP size, its least-loaded groups (``SWAP_GROUPS`` of them for swaps):
+most-loaded first, each making at most ``knobs.exchange_steps`` exchanges; at most
+``knobs.exchange_passes`` passes, on plans of at most ``knobs.search_microbatches`` micro-batches. A receiving
+micro-batch offers, per CP size, its least-loaded groups (``knobs.swap_groups`` of them for swaps):
 one exchange search costs O(K · S · s) for K micro-batches, S group sizes and the s samples of
-a top group examined (at most ``EXCHANGE_ITEMS``).
+a top group examined (at most ``knobs.exchange_items``).
 """
 
 from __future__ import annotations
@@ -33,38 +33,22 @@ from __future__ import annotations
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import GroupDraft, Item
-from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
-from megatron_dcp.scheduling.row_refinement import spread
-
-# Exchanges per micro-batch and pass, and passes.
-EXCHANGE_STEPS = 4
-EXCHANGE_PASSES = 3
-# Plans of more micro-batches are left as they are: a search costs O(K) per micro-batch visited,
-# so a pass costs O(K²) (the fuzzer's tiny budgets make hundreds of micro-batches).
-EXCHANGE_ROWS = 32
-# An exchange must lower Σ peaks by at least this fraction of the relieved micro-batch's peak.
-MIN_GAIN = 1e-4
-# Samples of a top group examined; for swaps, receiving groups per CP size and partner samples
-# per receiving group.
-EXCHANGE_ITEMS = 6
-# Samples of a tied top group examined (longest first) to break the tie.
-TIE_ITEMS = 2
-SWAP_GROUPS = 2
-SWAP_PARTNERS = 2
+from megatron_dcp.scheduling.dynamic_cp.moves.transfer import spread, transfer
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
 
 # (gain, sample of the top group, receiving micro-batch's index, receiving group, its sample
 # sent back or None)
 Exchange = Tuple[float, Item, int, GroupDraft, Optional[Item]]
 
 
-class RowView:
+class DraftView:
     """One micro-batch as exchanges see it: its peak, the highest load of its other groups, the
     most its peak can fall (``cap``), its top group and, per CP size, its groups least-loaded
     first."""
 
-    def __init__(self, row: Row) -> None:
-        self.row = row
-        ordered = sorted(row, key=lambda g: (g.load, g.block.start))
+    def __init__(self, draft: MicroBatchDraft) -> None:
+        self.row = draft
+        ordered = sorted(draft, key=lambda g: (g.load, g.block.start))
         self.top = ordered[-1]
         self.peak = self.top.load
         self.second = ordered[-2].load if len(ordered) > 1 else 0.0
@@ -83,44 +67,46 @@ class RowView:
         return found
 
 
-def exchange_between_rows(ctx: Context, rows: List[Row], ties: bool = False) -> None:
+def exchange_between_microbatches(
+    ctx: Context, drafts: List[MicroBatchDraft], ties: bool = False
+) -> None:
     """Passes over the micro-batches, most-loaded first, each applying its best exchange while
-    one shortens the critical path (at most ``EXCHANGE_STEPS`` per micro-batch and pass, at
-    most ``EXCHANGE_PASSES`` passes, ending after a pass without one); plans of more than
-    ``EXCHANGE_ROWS`` micro-batches are left alone."""
-    if not 2 <= len(rows) <= EXCHANGE_ROWS:
+    one shortens the critical path (at most ``knobs.exchange_steps`` per micro-batch and pass, at
+    most ``knobs.exchange_passes`` passes, ending after a pass without one); plans of more than
+    ``knobs.search_microbatches`` micro-batches are left alone."""
+    if not 2 <= len(drafts) <= ctx.knobs.search_microbatches:
         return
-    views = [RowView(row) for row in rows]
-    for _ in range(EXCHANGE_PASSES):
+    views = [DraftView(draft) for draft in drafts]
+    for _ in range(ctx.knobs.exchange_passes):
         before = sum(view.peak for view in views)
-        for index in sorted(range(len(rows)), key=lambda i: (-views[i].peak, i)):
-            for _ in range(EXCHANGE_STEPS):
+        for index in sorted(range(len(drafts)), key=lambda i: (-views[i].peak, i)):
+            for _ in range(ctx.knobs.exchange_steps):
                 found = best_exchange(ctx, views, index, ties)
                 if found is None:
                     break
-                apply(ctx, views[index].top, found)
-                other = found[2]
-                views[index], views[other] = RowView(rows[index]), RowView(rows[other])
+                _, item, other, group, back = found
+                transfer(ctx, views[index].top, item, group, back)
+                views[index], views[other] = DraftView(drafts[index]), DraftView(drafts[other])
         if sum(view.peak for view in views) >= before:
             return  # a pass that only broke ties ends the search
 
 
 def best_exchange(
-    ctx: Context, views: Sequence[RowView], index: int, ties: bool = False
+    ctx: Context, views: Sequence[DraftView], index: int, ties: bool = False
 ) -> Optional[Exchange]:
     """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the
-    most (by at least ``MIN_GAIN`` of the peak); None when none does. The top's peak falls by at
+    most (by at least ``knobs.min_gain`` of the peak); None when none does. The top's peak falls by at
     most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
     first until the relief cannot beat the best gain found. With ``ties``, when the top group
-    ties with another (no relief), the exchange of its longest samples (``TIE_ITEMS``) that
+    ties with another (no relief), the exchange of its longest samples (``knobs.tie_items``) that
     lowers it most without raising any peak is made instead: the next search can then lower the
     other."""
     view = views[index]
-    floor = view.peak * MIN_GAIN
+    floor = view.peak * ctx.knobs.min_gain
     tied = ties and view.cap <= floor
     best: Optional[Exchange] = None
     for rank, (item, out, leaves) in enumerate(top_samples(ctx, view)):
-        if (out if tied else min(view.cap, out)) <= floor or (tied and rank == TIE_ITEMS):
+        if (out if tied else min(view.cap, out)) <= floor or (tied and rank == ctx.knobs.tie_items):
             break  # shorter samples relieve the top group even less
         for other, receiver in enumerate(views):
             if other == index:
@@ -132,23 +118,23 @@ def best_exchange(
     return best
 
 
-def top_samples(ctx: Context, view: RowView) -> Iterator[Tuple[Item, float, bool]]:
+def top_samples(ctx: Context, view: DraftView) -> Iterator[Tuple[Item, float, bool]]:
     """(sample, its per-rank cost on the top group, whether it may leave without a sample in
     exchange) for the samples of ``view``'s top group examined, longest first."""
     top = view.top
     movable = len(top.items) > 1
-    for item in spread(view.partners(top), EXCHANGE_ITEMS):
+    for item in spread(view.partners(top), ctx.knobs.exchange_items):
         yield item, ctx.load(item.seqlen, top.size), movable and top.tokens > item.seqlen
 
 
 def exchanges(
-    ctx: Context, view: RowView, item: Item, out: float, receiver: RowView, leaves: bool
+    ctx: Context, view: DraftView, item: Item, out: float, receiver: DraftView, leaves: bool
 ) -> Iterator[Tuple[float, float, GroupDraft, Optional[Item]]]:
     """The exchanges of ``item`` (per-rank cost ``out`` on ``view``'s top group) with
     ``receiver``, as (how much the top group's load falls, how much the receiver's peak grows,
     group, sample sent back or None): per CP size that can take it, a move to the least-loaded
     group with room (when ``leaves``: its group keeps a non-empty sample) and swaps with the
-    ``SWAP_PARTNERS`` longest shorter samples of the ``SWAP_GROUPS`` least-loaded groups. A
+    ``knobs.swap_partners`` longest shorter samples of the ``knobs.swap_groups`` least-loaded groups. A
     receiver's peak counts only when it grows (a swap that also lowers it is found from the
     receiver's side)."""
     top, budget, peak = view.top, ctx.domain.budget, receiver.peak
@@ -162,7 +148,7 @@ def exchanges(
             group = next((g for g in groups if size * budget - g.tokens >= item.seqlen), None)
             if group is not None:
                 yield out, max(0.0, group.load + into - peak), group, None
-        for group in groups[:SWAP_GROUPS]:
+        for group in groups[: ctx.knobs.swap_groups]:
             for back in swap_partners(ctx, top, item, group, receiver.partners(group)):
                 length = back.seqlen
                 growth = max(0.0, group.load + into - costs[length] - peak)
@@ -172,7 +158,7 @@ def exchanges(
 def swap_partners(
     ctx: Context, top: GroupDraft, item: Item, group: GroupDraft, partners: Sequence[Item]
 ) -> Iterator[Item]:
-    """The (at most ``SWAP_PARTNERS``) longest samples of ``partners`` (``group``'s, longest
+    """The (at most ``knobs.swap_partners``) longest samples of ``partners`` (``group``'s, longest
     first) shorter than ``item`` that may trade places with it: both within the token budget
     and their minimum CP sizes, ``top`` keeping a non-empty sample."""
     budget = ctx.domain.budget
@@ -192,15 +178,5 @@ def swap_partners(
             continue
         yield back
         found += 1
-        if found == SWAP_PARTNERS:
+        if found == ctx.knobs.swap_partners:
             return
-
-
-def apply(ctx: Context, top: GroupDraft, exchange: Exchange) -> None:
-    """Carry out ``exchange`` of a sample of ``top``."""
-    _, item, _, group, back = exchange
-    top.pop(item, ctx.load(item.seqlen, top.size))
-    if back is not None:
-        group.pop(back, ctx.load(back.seqlen, group.size))
-        top.push(back, ctx.load(back.seqlen, top.size))
-    group.push(item, ctx.load(item.seqlen, group.size))

@@ -12,29 +12,32 @@ from megatron_dcp.scheduling.balance import lpt_partition
 from megatron_dcp.scheduling.buddy import BuddyAllocator
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import GroupDraft, Item, group_of_items
-from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
+from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import form_microbatch, heaviest_first
+from megatron_dcp.scheduling.dynamic_cp.microbatch_search import rebalance_microbatch
+from megatron_dcp.scheduling.dynamic_cp.rank_repair import fill_empty_ranks
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
 from megatron_dcp.scheduling.errors import SchedulingError
-from megatron_dcp.scheduling.microbatch_forming import heaviest_first, next_hdp_group
-from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
 
 
 def align_to_vpp(
-    ctx: Context, rows: List[Row], items: Sequence[Item], vpp: Optional[int]
-) -> List[Row]:
+    ctx: Context, drafts: List[MicroBatchDraft], items: Sequence[Item], vpp: Optional[int]
+) -> List[MicroBatchDraft]:
     """Step 6: make the micro-batch count a multiple of ``vpp`` by splitting micro-batches. When
     the count already exceeds the largest such multiple ≤ the sample count, start again from
     whole-domain micro-batches (first-fit decreasing), or raise when even those are too many."""
-    if not vpp or len(rows) % vpp == 0:
-        return rows
+    if not vpp or len(drafts) % vpp == 0:
+        return drafts
     limit = len(items) - len(items) % vpp
-    if len(rows) > limit:
-        rows = whole_domain_rows(ctx, items, vpp, limit)
-    while len(rows) % vpp:
-        split_row(ctx, rows)
-    return rows
+    if len(drafts) > limit:
+        drafts = whole_domain_microbatches(ctx, items, vpp, limit)
+    while len(drafts) % vpp:
+        split_microbatch(ctx, drafts)
+    return drafts
 
 
-def whole_domain_rows(ctx: Context, items: Sequence[Item], vpp: int, limit: int) -> List[Row]:
+def whole_domain_microbatches(
+    ctx: Context, items: Sequence[Item], vpp: int, limit: int
+) -> List[MicroBatchDraft]:
     """Whole-domain micro-batches packed first-fit decreasing by length; ValueError (naming the
     VPP flag) when more than ``limit`` are needed."""
     capacity = ctx.domain.size * ctx.domain.budget
@@ -60,34 +63,34 @@ def whole_domain_rows(ctx: Context, items: Sequence[Item], vpp: int, limit: int)
     return [[group_of_items(ctx.domain.root(), bin_items, ctx.cost)] for bin_items in bins]
 
 
-def split_row(ctx: Context, rows: List[Row]) -> None:
+def split_microbatch(ctx: Context, drafts: List[MicroBatchDraft]) -> None:
     """Replace one micro-batch (≥ 2 samples) by two: of the micro-batch with the most samples and
     the lightest one, each split in place (:func:`split_in_place`) or into halves of equal work
     laid out afresh (:func:`split_halves`), the split that adds the least to the critical path."""
-    splittable = [i for i, row in enumerate(rows) if sum(len(g.items) for g in row) >= 2]
+    splittable = [i for i, draft in enumerate(drafts) if sum(len(g.items) for g in draft) >= 2]
     assert splittable, "a VPP split needs a micro-batch with two samples"
-    fullest = max(splittable, key=lambda i: (sum(len(g.items) for g in rows[i]), -i))
-    lightest = min(splittable, key=lambda i: (max(g.load for g in rows[i]), i))
+    fullest = max(splittable, key=lambda i: (sum(len(g.items) for g in drafts[i]), -i))
+    lightest = min(splittable, key=lambda i: (max(g.load for g in drafts[i]), i))
     options = [
         (index, halves)
         for index in dict.fromkeys((fullest, lightest))
-        for halves in (split_in_place(ctx, rows[index]), split_halves(ctx, rows[index]))
+        for halves in (split_in_place(ctx, drafts[index]), split_halves(ctx, drafts[index]))
         if halves is not None
     ]
-    index, halves = min(options, key=lambda o: (split_growth(rows[o[0]], o[1]), o[0]))
-    rows[index : index + 1] = halves
+    index, halves = min(options, key=lambda o: (split_growth(drafts[o[0]], o[1]), o[0]))
+    drafts[index : index + 1] = halves
 
 
-def split_in_place(ctx: Context, row: Row) -> Optional[List[Row]]:
-    """``row`` as two micro-batches over its own blocks: the samples of each group holding
+def split_in_place(ctx: Context, draft: MicroBatchDraft) -> Optional[List[MicroBatchDraft]]:
+    """``draft`` as two micro-batches over its own blocks: the samples of each group holding
     several are dealt to the two halves (heaviest first, to the lighter side); a group of one
     sample goes whole to the half whose such groups weigh less, leaving its block free in the
     other, where :func:`fill_empty_ranks` fills it. None when a half would be left without a
     group (the micro-batch is one group of one non-empty sample)."""
-    halves: Tuple[Row, Row] = ([], [])
+    halves: Tuple[MicroBatchDraft, MicroBatchDraft] = ([], [])
     holes: Tuple[List[Block], List[Block]] = ([], [])
     whole = [0.0, 0.0]
-    for group in sorted(row, key=lambda g: (-g.load, g.block.start)):
+    for group in sorted(draft, key=lambda g: (-g.load, g.block.start)):
         parts = deal(ctx, group)
         if parts is None:
             side = 0 if whole[0] <= whole[1] else 1
@@ -104,7 +107,7 @@ def split_in_place(ctx: Context, row: Row) -> Optional[List[Row]]:
         free = BuddyAllocator(ctx.domain)
         free.free = blocks
         fill_empty_ranks(ctx, groups, free)
-        rebalance_row(ctx, groups)
+        rebalance_microbatch(ctx, groups)
     return list(halves)
 
 
@@ -124,22 +127,22 @@ def deal(ctx: Context, group: GroupDraft) -> Optional[Tuple[List[Item], List[Ite
     return parts
 
 
-def split_halves(ctx: Context, row: Row) -> List[Row]:
-    """The samples of ``row`` in two halves of equal work, each laid out as one micro-batch."""
-    items = [item for group in row for item in group.items]
+def split_halves(ctx: Context, draft: MicroBatchDraft) -> List[MicroBatchDraft]:
+    """The samples of ``draft`` in two halves of equal work, each laid out as one micro-batch."""
+    items = [item for group in draft for item in group.items]
     capacity = ctx.domain.size * ctx.domain.budget
     halves = lpt_partition(items, 2, capacity, ctx.min_work)
     assert halves is not None and all(halves)
-    return [single_row(ctx, heaviest_first(ctx, half)) for half in halves]
+    return [single_microbatch(ctx, heaviest_first(ctx, half)) for half in halves]
 
 
-def split_growth(row: Row, halves: Sequence[Row]) -> float:
-    """How much replacing ``row`` by ``halves`` adds to Σ peaks."""
-    return sum(max(g.load for g in half) for half in halves) - max(g.load for g in row)
+def split_growth(draft: MicroBatchDraft, halves: Sequence[MicroBatchDraft]) -> float:
+    """How much replacing ``draft`` by ``halves`` adds to Σ peaks."""
+    return sum(max(g.load for g in half) for half in halves) - max(g.load for g in draft)
 
 
-def single_row(ctx: Context, items: List[Item]) -> Row:
-    """``items`` as one micro-batch: laid out by :func:`next_hdp_group` when everything fits,
+def single_microbatch(ctx: Context, items: List[Item]) -> MicroBatchDraft:
+    """``items`` as one micro-batch: laid out by :func:`form_microbatch` when everything fits,
     else one whole-domain group (their tokens fit the domain)."""
-    row, leftovers = next_hdp_group(ctx, items)
-    return row if not leftovers else [group_of_items(ctx.domain.root(), items, ctx.cost)]
+    draft, leftovers = form_microbatch(ctx, items)
+    return draft if not leftovers else [group_of_items(ctx.domain.root(), items, ctx.cost)]

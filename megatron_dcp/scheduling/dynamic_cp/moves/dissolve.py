@@ -1,4 +1,4 @@
-"""Step 2c of ``default_dynamic_cp``: ``dissolve_light_rows`` empties the lightest micro-batches
+"""Step 2c of ``default_dynamic_cp``: ``dissolve_light_microbatches`` empties the lightest micro-batches
 into the groups of the others.
 
 The last micro-batches of a plan hold what the balanced ones left over. With few samples and no
@@ -15,46 +15,43 @@ from bisect import insort
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import GroupDraft, Item
-from megatron_dcp.scheduling.dynamic_cp_context import Context, Row, peak
-
-# Only micro-batches of at most this many samples are tried (each sample scans every row).
-DISSOLVE_SAMPLES = 64
-# Groups of one row examined per sample, least-loaded first, before the row is passed over.
-SCAN_LIMIT = 16
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft, peak
 
 Move = Tuple[GroupDraft, Item, float]
 
 
-def dissolve_light_rows(ctx: Context, rows: List[Row], vpp: Optional[int] = None) -> None:
+def dissolve_light_microbatches(
+    ctx: Context, drafts: List[MicroBatchDraft], vpp: Optional[int] = None
+) -> None:
     """Dissolve the lightest micro-batch while that shortens the critical path. With ``vpp``,
     keep the dissolutions up to the last micro-batch count that is a multiple of it (none when
     no count on the way is): a count VPP must split again gains nothing."""
-    history: List[Tuple[int, Row, List[Move]]] = []
-    while len(rows) > 1:
-        index = min(range(len(rows)), key=lambda i: (peak(rows[i]), i))
-        if len(samples_of(rows[index])) > DISSOLVE_SAMPLES:
+    history: List[Tuple[int, MicroBatchDraft, List[Move]]] = []
+    while len(drafts) > 1:
+        index = min(range(len(drafts)), key=lambda i: (peak(drafts[i]), i))
+        if len(samples_of(drafts[index])) > ctx.knobs.dissolve_samples:
             break
-        row, moves = rows[index], dissolve(ctx, rows, index)
+        draft, moves = drafts[index], dissolve(ctx, drafts, index)
         if moves is None:
             break
-        history.append((index, row, moves))
-    while vpp and len(rows) % vpp and history:
-        index, row, moves = history.pop()
+        history.append((index, draft, moves))
+    while vpp and len(drafts) % vpp and history:
+        index, draft, moves = history.pop()
         undo(moves)
-        rows.insert(index, row)
+        drafts.insert(index, draft)
 
 
-def samples_of(row: Row) -> List[Item]:
-    return [item for group in row for item in group.items]
+def samples_of(draft: MicroBatchDraft) -> List[Item]:
+    return [item for group in draft for item in group.items]
 
 
-def dissolve(ctx: Context, rows: List[Row], index: int) -> Optional[List[Move]]:
-    """Move every sample of ``rows[index]`` (heaviest first) to the group of another row where
-    its row's peak grows least; keep the moves and drop the row when the peaks grew by less than
-    the row's peak and fixed cost (returns the moves), else undo them (returns None)."""
-    saving = peak(rows[index]) + ctx.cost.microbatch
-    others = [Targets(row) for i, row in enumerate(rows) if i != index]
-    victims = sorted(samples_of(rows[index]), key=lambda it: (-it.seqlen, it.sample_id))
+def dissolve(ctx: Context, drafts: List[MicroBatchDraft], index: int) -> Optional[List[Move]]:
+    """Move every sample of ``drafts[index]`` (heaviest first) to the group of another draft where
+    its draft's peak grows least; keep the moves and drop the draft when the peaks grew by less than
+    the draft's peak and fixed cost (returns the moves), else undo them (returns None)."""
+    saving = peak(drafts[index]) + ctx.cost.microbatch
+    others = [Targets(draft) for i, draft in enumerate(drafts) if i != index]
+    victims = sorted(samples_of(drafts[index]), key=lambda it: (-it.seqlen, it.sample_id))
     moves: List[Move] = []
     growth = 0.0
     for item in victims:
@@ -65,7 +62,7 @@ def dissolve(ctx: Context, rows: List[Row], index: int) -> Optional[List[Move]]:
         delta, targets, key = choice
         moves.append(targets.add(key, item, ctx.load(item.seqlen, targets.row[key[2]].size)))
         growth += delta
-    del rows[index]
+    del drafts[index]
     return moves
 
 
@@ -73,13 +70,13 @@ Key = Tuple[float, int, int]
 
 
 class Targets:
-    """The groups of one row as keys (load, block start, index) ordered least-loaded first, and
-    the row's peak."""
+    """The groups of one draft as keys (load, block start, index) ordered least-loaded first, and
+    the draft's peak."""
 
-    def __init__(self, row: Row) -> None:
-        self.row = row
-        self.order: List[Key] = sorted((g.load, g.block.start, i) for i, g in enumerate(row))
-        self.peak = peak(row)
+    def __init__(self, draft: MicroBatchDraft) -> None:
+        self.row = draft
+        self.order: List[Key] = sorted((g.load, g.block.start, i) for i, g in enumerate(draft))
+        self.peak = peak(draft)
 
     def add(self, key: Key, item: Item, load: float) -> Move:
         """Put ``item`` (per-rank cost ``load``) on the group of ``key``."""
@@ -94,13 +91,13 @@ class Targets:
 def best_target(
     ctx: Context, others: Sequence[Targets], item: Item
 ) -> Optional[Tuple[float, Targets, Key]]:
-    """(peak growth, row, group key) of the least-loaded fitting group (among the first
-    ``SCAN_LIMIT``) of the row whose peak grows least (ties: the lowest resulting load); None
+    """(peak growth, draft, group key) of the least-loaded fitting group (among the first
+    ``knobs.dissolve_scan``) of the draft whose peak grows least (ties: the lowest resulting load); None
     when the sample fits nowhere."""
     best: Optional[Tuple[Tuple[float, float], Targets, Key]] = None
     budget = ctx.domain.budget
     for targets in others:
-        for key in targets.order[:SCAN_LIMIT]:
+        for key in targets.order[: ctx.knobs.dissolve_scan]:
             group = targets.row[key[2]]
             if group.fits(item, budget):
                 after = group.load + ctx.load(item.seqlen, group.size)
@@ -112,6 +109,6 @@ def best_target(
 
 
 def undo(moves: Sequence[Move]) -> None:
-    """Take the moved samples back out of their new groups (the caller restores their row)."""
+    """Take the moved samples back out of their new groups (the caller restores their draft)."""
     for group, item, load in reversed(moves):
         group.pop(item, load)
