@@ -45,7 +45,7 @@ def formed_plan(
     micro-batch of its own level that takes fillers from the whole pool; the rest is split into
     buckets of equal work (``extra_buckets`` more than the tokens need), one micro-batch each,
     leftovers carried to the next. Last, the lightest micro-batches are dissolved into the
-    others where that pays (``row_dissolving``; counts VPP would split again are undone)."""
+    others where that pays (``moves.dissolve``; counts VPP would split again are undone)."""
     drafts: List[MicroBatchDraft] = []
     while pool:
         floor = fill_level(ctx, pool)

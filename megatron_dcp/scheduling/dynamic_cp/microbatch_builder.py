@@ -1,4 +1,4 @@
-"""``MicroBatchBuilder``: step 3 of ``default_dynamic_cp`` at the level of one micro-batch. It
+"""``MicroBatchBuilder``: the placement of samples in one micro-batch under construction. It
 opens the micro-batch with its heaviest sample, then places the others on fresh blocks or on the
 least-loaded group where they fit under the level (one heap of groups per CP size)."""
 

@@ -1,4 +1,4 @@
-"""Steps 1 and 3 of ``default_dynamic_cp``: samples heaviest first (``heaviest_first``), and one
+"""Construction of one micro-batch: samples heaviest first (``heaviest_first``), and one
 micro-batch formed from a pool of samples (``form_microbatch``).
 
 The heaviest sample opens the micro-batch on a CP group of one of a few sizes (``trial_sizes``),
@@ -6,7 +6,7 @@ which sets the *level* (its per-rank cost, at least ``fill_level``). Every other
 first and then lightest first to top up, takes a fresh block of the smallest CP size whose cost
 fits under the level, or joins the least-loaded group where it fits (placing with
 ``microbatch_builder.MicroBatchBuilder``). The trial (``build_trial``) with the best
-``efficiency`` wins; idle ranks are filled and the micro-batch rebalanced (``row_refinement``).
+``efficiency`` wins; idle ranks are filled and the micro-batch rebalanced (``rank_repair``, ``microbatch_search``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchD
 
 
 def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
-    """Step 1: samples by decreasing least total work, then id (deterministic). The least total
+    """Samples by decreasing least total work, then id (deterministic). The least total
     work grows strictly with the length (the minimum CP size never falls as the length grows,
     and a sequence's total cost never falls as its CP size grows), so the order is that of
     decreasing length."""
@@ -32,7 +32,7 @@ def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
 def form_microbatch(
     ctx: Context, pool: Sequence[Item], floor: Optional[float] = None
 ) -> Tuple[MicroBatchDraft, List[Item]]:
-    """Step 3: form one micro-batch from ``pool`` (heaviest first; non-empty; ``floor`` its
+    """Form one micro-batch from ``pool`` (heaviest first; non-empty; ``floor`` its
     :func:`fill_level` when known). Returns its groups, which partition the domain with no idle
     rank, and the samples left for later micro-batches."""
     tokens = sum(map(SEQLEN, pool))

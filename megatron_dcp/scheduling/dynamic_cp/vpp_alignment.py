@@ -1,4 +1,4 @@
-"""Step 6 of ``default_dynamic_cp``: ``align_to_vpp`` makes the micro-batch count a multiple of
+"""Alignment: ``align_to_vpp`` makes the micro-batch count a multiple of
 the VPP group size (``microbatch_group_size_per_vp_stage``) by splitting micro-batches, each
 split in place (both halves keep the micro-batch's blocks) or afresh (halves of equal work laid
 out again), whichever adds least to the critical path; or, with more micro-batches than any
@@ -22,7 +22,7 @@ from megatron_dcp.scheduling.errors import SchedulingError
 def align_to_vpp(
     ctx: Context, drafts: List[MicroBatchDraft], items: Sequence[Item], vpp: Optional[int]
 ) -> List[MicroBatchDraft]:
-    """Step 6: make the micro-batch count a multiple of ``vpp`` by splitting micro-batches. When
+    """Make the micro-batch count a multiple of ``vpp`` by splitting micro-batches. When
     the count already exceeds the largest such multiple ≤ the sample count, start again from
     whole-domain micro-batches (first-fit decreasing), or raise when even those are too many."""
     if not vpp or len(drafts) % vpp == 0:

@@ -1,5 +1,5 @@
-"""Step 2c of ``default_dynamic_cp``: ``dissolve_light_microbatches`` empties the lightest micro-batches
-into the groups of the others.
+"""Across the plan, at the end of construction: **dissolve** the lightest micro-batches into the
+groups of the others (``dissolve_light_microbatches``).
 
 The last micro-batches of a plan hold what the balanced ones left over. With few samples and no
 rank allowed to idle, their groups are large for their work, and under a cost with ring steps
@@ -60,7 +60,7 @@ def dissolve(ctx: Context, drafts: List[MicroBatchDraft], index: int) -> Optiona
             undo(moves)
             return None
         delta, targets, key = choice
-        moves.append(targets.add(key, item, ctx.load(item.seqlen, targets.row[key[2]].size)))
+        moves.append(targets.add(key, item, ctx.load(item.seqlen, targets.draft[key[2]].size)))
         growth += delta
     del drafts[index]
     return moves
@@ -74,13 +74,13 @@ class Targets:
     the draft's peak."""
 
     def __init__(self, draft: MicroBatchDraft) -> None:
-        self.row = draft
+        self.draft = draft
         self.order: List[Key] = sorted((g.load, g.block.start, i) for i, g in enumerate(draft))
         self.peak = peak(draft)
 
     def add(self, key: Key, item: Item, load: float) -> Move:
         """Put ``item`` (per-rank cost ``load``) on the group of ``key``."""
-        group = self.row[key[2]]
+        group = self.draft[key[2]]
         self.order.remove(key)
         group.push(item, load)
         insort(self.order, (group.load, key[1], key[2]))
@@ -98,7 +98,7 @@ def best_target(
     budget = ctx.domain.budget
     for targets in others:
         for key in targets.order[: ctx.knobs.dissolve_scan]:
-            group = targets.row[key[2]]
+            group = targets.draft[key[2]]
             if group.fits(item, budget):
                 after = group.load + ctx.load(item.seqlen, group.size)
                 rank = (max(0.0, after - targets.peak), after)

@@ -1,15 +1,15 @@
-"""Step 9 of ``default_dynamic_cp``: ``reform_pairs``, micro-batches formed again two at a time.
+"""Across the plan: **re-form a pair**, micro-batches formed again two at a time (``reform_pairs``).
 
-Steps 7 and 8 move one or a few samples at a time. What they cannot reach is another grouping of
+The other moves change one or a few samples at a time. What they cannot reach is another grouping of
 many samples at once: the critical path is Σ of the micro-batches' peaks, so the heaviest
 samples of two micro-batches are best together in one (levelling each other) and the light ones
-together in the other, while the earlier steps, balancing each micro-batch, tend to mix them.
-This step pools the samples of two micro-batches and forms them again the way step 2 forms a
-heavy micro-batch: ``form_microbatch`` on the pool, heaviest first, then on what it left. When
-that pair's Σ peaks is within ``knobs.promising`` of the old pair's, step 8 polishes both, and the
+together in the other, while construction, balancing each micro-batch, tends to mix them.
+This move pools the samples of two micro-batches and forms them again the way construction
+forms a heavy micro-batch: ``form_microbatch`` on the pool, heaviest first, then on what it left. When
+that pair's Σ peaks is within ``knobs.promising`` of the old pair's, both are polished (``microbatch_search``), and the
 pair replaces the old one if its Σ peaks is lower by at least ``knobs.min_gain`` of the larger peak.
 The micro-batch count (so VPP alignment) is unchanged, and each new micro-batch keeps every
-plan invariant, as any micro-batch step 3 forms does.
+plan invariant, as any micro-batch ``form_microbatch`` forms does.
 
 Pairs are tried from the ``knobs.reform_sources`` most imbalanced micro-batches (peak far above their mean
 per-rank load), each with every other micro-batch, most loaded first; a pair tried in vain is not
@@ -28,7 +28,7 @@ from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchD
 
 
 def reform_pairs(ctx: Context, drafts: List[MicroBatchDraft]) -> None:
-    """Step 9 on the plan ``drafts`` (in place); see the module docstring. Plans of more than
+    """Re-form pairs of the plan ``drafts`` (in place); see the module docstring. Plans of more than
     ``knobs.search_microbatches`` micro-batches are left as they are."""
     if len(drafts) > ctx.knobs.search_microbatches:
         return

@@ -1,7 +1,7 @@
-"""Step 7 of ``default_dynamic_cp``: ``exchange_between_microbatches`` moves and swaps samples between
-micro-batches while that shortens the critical path.
+"""Across the plan: **relocate** and **swap** samples between micro-batches while that shortens
+the critical path (``exchange_between_microbatches``), and **tie-break**.
 
-The earlier steps balance each micro-batch on its own; what one micro-batch cannot fix (the
+Construction and the search inside a micro-batch balance each micro-batch on its own; what one micro-batch cannot fix (the
 last ones, made of what the others left over, are often heavier or lighter than the rest) an
 exchange with another can. The critical path is Σ over micro-batches of the peak (the
 most-loaded group), so a sample of a micro-batch's *top group* is worth moving when the peak
@@ -47,7 +47,7 @@ class DraftView:
     first."""
 
     def __init__(self, draft: MicroBatchDraft) -> None:
-        self.row = draft
+        self.draft = draft
         ordered = sorted(draft, key=lambda g: (g.load, g.block.start))
         self.top = ordered[-1]
         self.peak = self.top.load

@@ -1,4 +1,4 @@
-"""Step 9 of ``default_dynamic_cp`` (``row_reforming``: two micro-batches pooled and formed
+"""Re-forming a pair (``dynamic_cp.moves.reform``: two micro-batches pooled and formed
 again): a hand-made case with a known answer, and properties over random plans (Σ peaks never
 grows, the micro-batch count and every sample stay, every micro-batch keeps the invariants)."""
 

@@ -1,5 +1,5 @@
-"""Step 7 of ``default_dynamic_cp`` (``row_exchange``: moves and swaps of samples between
-micro-batches) and the in-place VPP split: hand-made cases with known answers, and properties
+"""Relocate, swap and tie-break across micro-batches (``dynamic_cp.moves.relocate``) and the
+in-place VPP split: hand-made cases with known answers, and properties
 over random batches (the critical path never grows, the blocks and the samples stay)."""
 
 from collections import Counter

@@ -1,5 +1,5 @@
-"""Unit tests of the named steps of ``default_dynamic_cp`` (its module docstring lists them) and
-of the VPP micro-batch count rule. Pure Python, no hypothesis."""
+"""Unit tests of the construction and alignment of ``default_dynamic_cp`` (``dynamic_cp``: its
+scheduler module lists the phases) and of the VPP micro-batch count rule. Pure Python, no hypothesis."""
 
 import pytest
 

@@ -1,5 +1,5 @@
-"""Step 8 of ``default_dynamic_cp`` (``row_polish``: shifts, merges and splits around a
-micro-batch's top group): hand-made cases with known answers, and properties over random
+"""The search inside a micro-batch (``dynamic_cp.microbatch_search``: shifts, redeals, merges and
+splits around its top group): hand-made cases with known answers, and properties over random
 micro-batches (the peak never grows, the ranks stay a partition, every sample stays)."""
 
 from collections import Counter
