@@ -65,10 +65,10 @@ def formed_plan(
 
 
 def packed_plan(ctx: Context, pool: List[Item], vpp: Optional[int] = None) -> List[MicroBatchDraft]:
-    """The packing variant of :func:`formed_plan`: each micro-batch opens with the heaviest sample left on its
-    smallest CP size an empty micro-batch can hold, fills up to that sample's level, then takes
-    whatever else of the pool its tokens hold where the micro-batch's peak grows least (few
-    micro-batches, each filled; the strategy of Megatron dev's greedy scheduler, judged by this
+    """The packing variant of :func:`formed_plan`: each micro-batch opens with the heaviest sample
+    left on its smallest CP size an empty micro-batch can hold, fills up to that sample's level,
+    then takes whatever else of the pool its tokens hold where the micro-batch's peak grows least
+    (few micro-batches, each filled; the strategy of Megatron dev's greedy scheduler, judged by this
     cost model)."""
     drafts: List[MicroBatchDraft] = []
     while pool:

@@ -3,10 +3,10 @@ micro-batch formed from a pool of samples (``form_microbatch``).
 
 The heaviest sample opens the micro-batch on a CP group of one of a few sizes (``trial_sizes``),
 which sets the *level* (its per-rank cost, at least ``fill_level``). Every other sample, heaviest
-first and then lightest first to top up, takes a fresh block of the smallest CP size whose cost
-fits under the level, or joins the least-loaded group where it fits (placing with
-``microbatch_builder.MicroBatchBuilder``). The trial (``build_trial``) with the best
-``efficiency`` wins; idle ranks are filled and the micro-batch rebalanced (``rank_repair``, ``microbatch_search``).
+first and then lightest first to top up, takes a fresh block of the smallest CP size whose cost fits
+under the level, or joins the least-loaded group where it fits (placing with
+``microbatch_builder.MicroBatchBuilder``). The trial (``build_trial``) with the best ``efficiency``
+wins; idle ranks are filled and the micro-batch rebalanced (``rank_repair``, ``microbatch_search``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from megatron_dcp.scheduling.draft import SEQLEN, Item, longest_first
 from megatron_dcp.scheduling.dynamic_cp.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.dynamic_cp.microbatch_search import rebalance_microbatch
 from megatron_dcp.scheduling.dynamic_cp.rank_repair import fill_empty_ranks
-from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft, peak
 
 
 def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
@@ -52,8 +52,8 @@ def form_microbatch(
 
 
 def better_trial(ctx: Context, new: Tuple[float, int], old: Tuple[float, int]) -> bool:
-    """(efficiency, leftover count) of two trials: higher efficiency wins; within ``knobs.score_tie``,
-    fewer leftovers (fewer micro-batches)."""
+    """(efficiency, leftover count) of two trials: higher efficiency wins; within
+    ``knobs.score_tie``, fewer leftovers (fewer micro-batches)."""
     if abs(new[0] - old[0]) <= ctx.knobs.score_tie:
         return new[1] < old[1]
     return new[0] > old[0]
@@ -74,14 +74,14 @@ def build_trial(
 
 
 def absorb_leftovers(ctx: Context, builder: MicroBatchBuilder, leftovers: List[Item]) -> List[Item]:
-    """The last micro-batch places its leftovers above the level when that costs less than the
-    extra micro-batch they would need, give or take ``knobs.last_slack`` of the peak: one micro-batch
+    """The last micro-batch places its leftovers above the level when that costs less than the extra
+    micro-batch they would need, give or take ``knobs.last_slack`` of the peak: one micro-batch
     fewer is worth that much. Returns the samples still left."""
-    peak = max(group.load for group in builder.groups)
-    limit = peak * (1 + ctx.knobs.last_slack) + extra_microbatch_cost(ctx, leftovers)
+    extra = extra_microbatch_cost(ctx, leftovers)
+    limit = peak(builder.groups) * (1 + ctx.knobs.last_slack) + extra
     builder.level, builder.journal = float("inf"), []
     rest = builder.fill_from(leftovers)
-    if max(group.load for group in builder.groups) > limit:
+    if peak(builder.groups) > limit:
         builder.undo()
         return leftovers
     return rest
@@ -127,9 +127,9 @@ def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
 def efficiency(ctx: Context, draft: MicroBatchDraft) -> float:
     """Useful work of a micro-batch (each sample at its minimum CP size) over N × its max rank
     cost: 1 for a perfectly balanced micro-batch without extra CP overhead."""
-    peak = max(group.load for group in draft)
-    if peak <= 0:
+    top = peak(draft)
+    if top <= 0:
         return 1.0
     items = chain.from_iterable(group.items for group in draft)
     useful = sum(map(ctx.work.__getitem__, map(SEQLEN, items)))
-    return useful / (ctx.domain.size * peak)
+    return useful / (ctx.domain.size * top)

@@ -22,6 +22,12 @@ def peak(draft: MicroBatchDraft) -> float:
     return max(group.load for group in draft)
 
 
+def min_plan_gain(ctx: "Context", *peaks: float) -> float:
+    """The acceptance rule of the moves across the plan: the least fall of Σ peaks a move must
+    bring, ``knobs.min_gain`` of the larger peak of the micro-batches it touches."""
+    return ctx.knobs.min_gain * max(peaks)
+
+
 def draft_critical_path(ctx: "Context", drafts: Sequence[MicroBatchDraft]) -> float:
     """Σ over micro-batches of the most-loaded group's per-rank cost and the fixed cost."""
     return sum(map(peak, drafts)) + ctx.cost.microbatch * len(drafts)

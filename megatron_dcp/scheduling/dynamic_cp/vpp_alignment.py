@@ -11,11 +11,12 @@ from typing import List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling.balance import lpt_partition
 from megatron_dcp.scheduling.buddy import BuddyAllocator
 from megatron_dcp.scheduling.domain import Block
-from megatron_dcp.scheduling.draft import GroupDraft, Item, group_of_items
+from megatron_dcp.scheduling.draft import GroupDraft, Item, group_of_items, longest_first
 from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import form_microbatch, heaviest_first
 from megatron_dcp.scheduling.dynamic_cp.microbatch_search import rebalance_microbatch
+from megatron_dcp.scheduling.dynamic_cp.moves.transfer import deal
 from megatron_dcp.scheduling.dynamic_cp.rank_repair import fill_empty_ranks
-from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft, peak
 from megatron_dcp.scheduling.errors import SchedulingError
 
 
@@ -43,7 +44,7 @@ def whole_domain_microbatches(
     capacity = ctx.domain.size * ctx.domain.budget
     bins: List[List[Item]] = []
     room: List[int] = []
-    for item in sorted(items, key=lambda it: (-it.seqlen, it.sample_id)):
+    for item in longest_first(list(items)):
         index = next((i for i, left in enumerate(room) if item.seqlen <= left), len(bins))
         if index == len(bins):
             bins.append([])
@@ -70,7 +71,7 @@ def split_microbatch(ctx: Context, drafts: List[MicroBatchDraft]) -> None:
     splittable = [i for i, draft in enumerate(drafts) if sum(len(g.items) for g in draft) >= 2]
     assert splittable, "a VPP split needs a micro-batch with two samples"
     fullest = max(splittable, key=lambda i: (sum(len(g.items) for g in drafts[i]), -i))
-    lightest = min(splittable, key=lambda i: (max(g.load for g in drafts[i]), i))
+    lightest = min(splittable, key=lambda i: (peak(drafts[i]), i))
     options = [
         (index, halves)
         for index in dict.fromkeys((fullest, lightest))
@@ -91,14 +92,15 @@ def split_in_place(ctx: Context, draft: MicroBatchDraft) -> Optional[List[MicroB
     holes: Tuple[List[Block], List[Block]] = ([], [])
     whole = [0.0, 0.0]
     for group in sorted(draft, key=lambda g: (-g.load, g.block.start)):
-        parts = deal(ctx, group)
+        parts = halved(ctx, group)
         if parts is None:
             side = 0 if whole[0] <= whole[1] else 1
             whole[side] += group.load
-            parts = (group.items, []) if side == 0 else ([], group.items)
-        for side, items in enumerate(parts):
-            if items:
-                halves[side].append(group_of_items(group.block, items, ctx.cost))
+            whole_group, empty = group_of_items(group.block, group.items, ctx.cost), None
+            parts = (whole_group, empty) if side == 0 else (empty, whole_group)
+        for side, part in enumerate(parts):
+            if part is not None and part.items:
+                halves[side].append(part)
             else:
                 holes[side].append(group.block)
     if not all(halves):
@@ -111,19 +113,13 @@ def split_in_place(ctx: Context, draft: MicroBatchDraft) -> Optional[List[MicroB
     return list(halves)
 
 
-def deal(ctx: Context, group: GroupDraft) -> Optional[Tuple[List[Item], List[Item]]]:
-    """The samples of ``group`` in two parts of near-equal load: the two longest open them (both
-    non-empty), each other sample goes to the lighter part; None with fewer than two non-empty
-    samples."""
-    items = sorted(group.items, key=lambda it: (-it.seqlen, it.sample_id))
-    if len(items) < 2 or items[1].seqlen == 0:
+def halved(ctx: Context, group: GroupDraft) -> Optional[Tuple[GroupDraft, GroupDraft]]:
+    """The samples of ``group`` dealt (:func:`~.moves.transfer.deal`) to two groups over its
+    block, near-equal in load; None with fewer than two non-empty samples."""
+    if sum(1 for item in group.items if item.seqlen > 0) < 2:
         return None
-    parts = ([items[0]], [items[1]])
-    loads = [ctx.load(items[0].seqlen, group.size), ctx.load(items[1].seqlen, group.size)]
-    for item in items[2:]:
-        side = 0 if loads[0] <= loads[1] else 1
-        parts[side].append(item)
-        loads[side] += ctx.load(item.seqlen, group.size)
+    parts = (ctx.group(group.block), ctx.group(group.block))
+    deal(ctx, group.items, parts)
     return parts
 
 
@@ -138,7 +134,7 @@ def split_halves(ctx: Context, draft: MicroBatchDraft) -> List[MicroBatchDraft]:
 
 def split_growth(draft: MicroBatchDraft, halves: Sequence[MicroBatchDraft]) -> float:
     """How much replacing ``draft`` by ``halves`` adds to Σ peaks."""
-    return sum(max(g.load for g in half) for half in halves) - max(g.load for g in draft)
+    return sum(map(peak, halves)) - peak(draft)
 
 
 def single_microbatch(ctx: Context, items: List[Item]) -> MicroBatchDraft:

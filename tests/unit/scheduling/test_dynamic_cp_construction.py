@@ -1,5 +1,6 @@
 """Unit tests of the construction and alignment of ``default_dynamic_cp`` (``dynamic_cp``: its
-scheduler module lists the phases) and of the VPP micro-batch count rule. Pure Python, no hypothesis."""
+scheduler module lists the phases) and of the VPP micro-batch count rule. Pure Python, no
+hypothesis."""
 
 import pytest
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from bisect import insort
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
 from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft, peak
 
 Move = Tuple[GroupDraft, Item, float]
@@ -51,7 +51,7 @@ def dissolve(ctx: Context, drafts: List[MicroBatchDraft], index: int) -> Optiona
     the draft's peak and fixed cost (returns the moves), else undo them (returns None)."""
     saving = peak(drafts[index]) + ctx.cost.microbatch
     others = [Targets(draft) for i, draft in enumerate(drafts) if i != index]
-    victims = sorted(samples_of(drafts[index]), key=lambda it: (-it.seqlen, it.sample_id))
+    victims = longest_first(samples_of(drafts[index]))
     moves: List[Move] = []
     growth = 0.0
     for item in victims:
@@ -92,8 +92,8 @@ def best_target(
     ctx: Context, others: Sequence[Targets], item: Item
 ) -> Optional[Tuple[float, Targets, Key]]:
     """(peak growth, draft, group key) of the least-loaded fitting group (among the first
-    ``knobs.dissolve_scan``) of the draft whose peak grows least (ties: the lowest resulting load); None
-    when the sample fits nowhere."""
+    ``knobs.dissolve_scan``) of the draft whose peak grows least (ties: the lowest resulting load);
+    None when the sample fits nowhere."""
     best: Optional[Tuple[Tuple[float, float], Targets, Key]] = None
     budget = ctx.domain.budget
     for targets in others:

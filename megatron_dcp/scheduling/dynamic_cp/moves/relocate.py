@@ -1,11 +1,12 @@
 """Across the plan: **relocate** and **swap** samples between micro-batches while that shortens
 the critical path (``exchange_between_microbatches``), and **tie-break**.
 
-Construction and the search inside a micro-batch balance each micro-batch on its own; what one micro-batch cannot fix (the
-last ones, made of what the others left over, are often heavier or lighter than the rest) an
-exchange with another can. The critical path is Σ over micro-batches of the peak (the
-most-loaded group), so a sample of a micro-batch's *top group* is worth moving when the peak
-falls by more than the receiving micro-batch's peak grows, the receiving group taking it within
+Construction and the search inside a micro-batch balance each micro-batch on its own; what one
+micro-batch cannot fix (the last ones, made of what the others left over, are often heavier or
+lighter than the rest) an exchange with another can. The critical path is Σ over micro-batches of
+the peak (the most-loaded group), so a sample of a micro-batch's *top group* is worth moving when
+the peak falls by more than the receiving micro-batch's peak grows, the receiving group taking it
+within
 its token budget and minimum CP size. Two exchanges are tried, best gain first:
 
 - a **move** of a sample from the top group to another micro-batch's group;
@@ -18,11 +19,11 @@ peak; with ``ties`` (the last search, on the chosen plan) the exchange of one of
 break*), and the next search can lower the other.
 
 The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
-rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by
-at least ``knobs.min_gain`` of a peak or, breaking a tie, keeps every peak and lowers a top group by
-that much; the passes are bounded. A pass visits the micro-batches
-most-loaded first, each making at most ``knobs.exchange_steps`` exchanges; at most
-``knobs.exchange_passes`` passes, on plans of at most ``knobs.search_microbatches`` micro-batches. A receiving
+rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by at
+least ``knobs.min_gain`` of a peak or, breaking a tie, keeps every peak and lowers a top group by
+that much; the passes are bounded. A pass visits the micro-batches most-loaded first, each making at
+most ``knobs.exchange_steps`` exchanges; at most ``knobs.exchange_passes`` passes, on plans of at
+most ``knobs.search_microbatches`` micro-batches. A receiving
 micro-batch offers, per CP size, its least-loaded groups (``knobs.swap_groups`` of them for swaps):
 one exchange search costs O(K · S · s) for K micro-batches, S group sizes and the s samples of
 a top group examined (at most ``knobs.exchange_items``).
@@ -32,9 +33,13 @@ from __future__ import annotations
 
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
 from megatron_dcp.scheduling.dynamic_cp.moves.transfer import spread, transfer
-from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
+from megatron_dcp.scheduling.dynamic_cp.search_state import (
+    Context,
+    MicroBatchDraft,
+    min_plan_gain,
+)
 
 # (gain, sample of the top group, receiving micro-batch's index, receiving group, its sample
 # sent back or None)
@@ -62,7 +67,7 @@ class DraftView:
         """``group``'s samples, longest first (memoised: swap partners)."""
         found = self._partners.get(id(group))
         if found is None:
-            found = sorted(group.items, key=lambda it: (-it.seqlen, it.sample_id))
+            found = longest_first(list(group.items))
             self._partners[id(group)] = found
         return found
 
@@ -94,15 +99,14 @@ def exchange_between_microbatches(
 def best_exchange(
     ctx: Context, views: Sequence[DraftView], index: int, ties: bool = False
 ) -> Optional[Exchange]:
-    """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the
-    most (by at least ``knobs.min_gain`` of the peak); None when none does. The top's peak falls by at
-    most its *relief* (min(peak − second, the sample's load)), so samples are examined longest
-    first until the relief cannot beat the best gain found. With ``ties``, when the top group
-    ties with another (no relief), the exchange of its longest samples (``knobs.tie_items``) that
-    lowers it most without raising any peak is made instead: the next search can then lower the
-    other."""
+    """The exchange of a sample of micro-batch ``index``'s top group that shortens Σ peaks the most
+    (by at least ``knobs.min_gain`` of the peak); None when none does. The top's peak falls by at
+    most its *relief* (min(peak − second, the sample's load)), so samples are examined longest first
+    until the relief cannot beat the best gain found. With ``ties``, when the top group ties with
+    another (no relief), the exchange of its longest samples (``knobs.tie_items``) that lowers it
+    most without raising any peak is made instead: the next search can then lower the other."""
     view = views[index]
-    floor = view.peak * ctx.knobs.min_gain
+    floor = min_plan_gain(ctx, view.peak)
     tied = ties and view.cap <= floor
     best: Optional[Exchange] = None
     for rank, (item, out, leaves) in enumerate(top_samples(ctx, view)):
@@ -130,13 +134,12 @@ def top_samples(ctx: Context, view: DraftView) -> Iterator[Tuple[Item, float, bo
 def exchanges(
     ctx: Context, view: DraftView, item: Item, out: float, receiver: DraftView, leaves: bool
 ) -> Iterator[Tuple[float, float, GroupDraft, Optional[Item]]]:
-    """The exchanges of ``item`` (per-rank cost ``out`` on ``view``'s top group) with
-    ``receiver``, as (how much the top group's load falls, how much the receiver's peak grows,
-    group, sample sent back or None): per CP size that can take it, a move to the least-loaded
-    group with room (when ``leaves``: its group keeps a non-empty sample) and swaps with the
-    ``knobs.swap_partners`` longest shorter samples of the ``knobs.swap_groups`` least-loaded groups. A
-    receiver's peak counts only when it grows (a swap that also lowers it is found from the
-    receiver's side)."""
+    """The exchanges of ``item`` (per-rank cost ``out`` on ``view``'s top group) with ``receiver``,
+    as (how much the top group's load falls, how much the receiver's peak grows, group, sample sent
+    back or None): per CP size that can take it, a move to the least-loaded group with room (when
+    ``leaves``: its group keeps a non-empty sample) and swaps with the ``knobs.swap_partners``
+    longest shorter samples of the ``knobs.swap_groups`` least-loaded groups. A receiver's peak
+    counts only when it grows (a swap that also lowers it is found from the receiver's side)."""
     top, budget, peak = view.top, ctx.domain.budget, receiver.peak
     top_costs = ctx.per_size[top.size]
     for size, groups in receiver.by_size.items():
