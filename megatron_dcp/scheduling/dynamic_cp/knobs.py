@@ -79,9 +79,9 @@ class Knobs:
     # micro-batch examined per sample, least-loaded first.
     dissolve_samples: int = 64
     dissolve_scan: int = 16
-    # Relocate and swap: exchanges per micro-batch and pass, passes; samples of a top group
-    # examined; samples of a tied top group examined to break the tie; for swaps, receiving
-    # groups per CP size and partner samples per receiving group.
+    # Relocate and swap: exchanges per micro-batch and pass, passes (of block swaps too); samples
+    # of a top group examined; samples of a tied top group examined to break the tie; for
+    # swaps, receiving groups per CP size and partner samples per receiving group.
     exchange_steps: int = 4
     exchange_passes: int = 3
     exchange_items: int = 6
