@@ -61,8 +61,9 @@ class WorkTable(dict):
 
 
 class Context:
-    """What every step needs: the domain, the cost model, and memoised costs: ``per_size[c][L]``
-    (per-rank cost of a length-L sample on c ranks) and ``work[L]`` (its least total work)."""
+    """What construction and every move need: the domain, the cost model, the knobs and memoised
+    costs: ``per_size[c][L]`` (per-rank cost of a length-L sample on c ranks) and ``work[L]``
+    (its least total work)."""
 
     def __init__(self, domain: Domain, cost: CostModel, knobs: Knobs = DEFAULT_KNOBS) -> None:
         self.domain, self.cost, self.knobs = domain, cost, knobs
