@@ -9,7 +9,7 @@ from megatron_dcp.scheduling.plan import CPGroup, InvalidPlanError, MicroBatch, 
 from megatron_dcp.scheduling.registry import SCHEDULERS, Scheduler, build_scheduler
 
 # Registered on import.
-from megatron_dcp.scheduling import default_dynamic_cp, dp_balanced  # noqa: E402,F401  isort:skip
+from megatron_dcp.scheduling import dp_balanced, dynamic_cp  # noqa: E402,F401  isort:skip
 
 __all__ = [
     "SCHEDULERS",

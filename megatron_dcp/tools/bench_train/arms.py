@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from megatron_dcp.integration.model_cost import predicted_step_time
 from megatron_dcp.scheduling import CostModel, Plan
 from megatron_dcp.scheduling.cost_fit import rank_features
-from megatron_dcp.scheduling.default_dynamic_cp import DefaultDynamicCPScheduler
+from megatron_dcp.scheduling.dynamic_cp import DefaultDynamicCPScheduler
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 from megatron_dcp.scheduling.registry import Scheduler

@@ -1,5 +1,5 @@
 """Hypothesis strategies and helpers shared by the property tests of the schedulers
-(``test_properties_*.py``) and the row tests (``rank_rows``: draft micro-batches): domains of
+(``test_properties_*.py``) and the draft tests (``rank_drafts``: draft micro-batches): domains of
 any size N = dp·cp in 1..64 (odd and non-powers of two included), power-of-two minimum CP
 sizes, VPP group sizes None or 1..4, budgets 1..4096, and lengths mixing tiny, typical and
 near-maximal (N·budget) sequences."""
@@ -112,15 +112,15 @@ def schedule_kwargs(**overrides):
 parametrize_names = pytest.mark.parametrize("name", NAMES)
 
 
-def rank_rows(ctx, layout):
-    """Draft micro-batches of one-rank groups (for the steps that work on a plan's rows) from
+def rank_drafts(ctx, layout):
+    """Draft micro-batches of one-rank groups (for the steps that work on a plan's drafts) from
     [[lengths of group 0], [lengths of group 1], ...] per micro-batch; sample ids in order of
     appearance."""
-    rows, ids = [], iter(range(1000))
+    drafts, ids = [], iter(range(1000))
     for groups in layout:
-        row = []
+        draft = []
         for start, lengths in enumerate(groups):
             items = [Item(next(ids), length, 1) for length in lengths]
-            row.append(group_of_items(Block(start, 1), items, ctx.cost))
-        rows.append(row)
-    return rows
+            draft.append(group_of_items(Block(start, 1), items, ctx.cost))
+        drafts.append(draft)
+    return drafts

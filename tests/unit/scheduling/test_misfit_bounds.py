@@ -14,9 +14,13 @@ from megatron_dcp.scheduling import build_cost_model
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.draft import Item
-from megatron_dcp.scheduling.dynamic_cp_context import Context
-from megatron_dcp.scheduling.microbatch_builder import INF, MicroBatchBuilder
-from megatron_dcp.scheduling.microbatch_forming import fill_level, heaviest_first, trial_sizes
+from megatron_dcp.scheduling.dynamic_cp.microbatch_builder import INF, MicroBatchBuilder
+from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import (
+    fill_level,
+    heaviest_first,
+    trial_sizes,
+)
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context
 
 COSTS = {
     "model": build_cost_model("model"),

@@ -8,9 +8,9 @@ import pytest
 
 from megatron_dcp.scheduling import CostModel, Domain, build_scheduler
 from megatron_dcp.scheduling.draft import GroupDraft, Item
-from megatron_dcp.scheduling.dynamic_cp_context import Context
+from megatron_dcp.scheduling.dynamic_cp.moves.dissolve import dissolve_light_microbatches
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
-from megatron_dcp.scheduling.row_dissolving import dissolve_light_rows
 
 MODEL = CostModel.from_model_shape()
 
@@ -21,7 +21,7 @@ def context(n: int, budget: int, cost: CostModel) -> Context:
 
 def row_of(ctx: Context, layout) -> list:
     """A micro-batch from [(start, size, [lengths])]; sample ids from the lengths' order."""
-    row = []
+    draft = []
     for start, size, lengths in layout:
         group = ctx.group(ctx.domain.root() if size == ctx.domain.size else _block(start, size))
         for length in lengths:
@@ -29,8 +29,8 @@ def row_of(ctx: Context, layout) -> list:
                 Item(len(_IDS), length, ctx.domain.cp_degree(length)), ctx.load(length, size)
             )
             _IDS.append(length)
-        row.append(group)
-    return row
+        draft.append(group)
+    return draft
 
 
 _IDS: list = []
@@ -70,35 +70,35 @@ def test_a_light_tail_microbatch_is_dissolved_when_that_pays():
     cost = CostModel(1.0, 0.0, ring_step=50.0, microbatch=5.0)
     ctx = context(2, 100, cost)
     _IDS.clear()
-    rows = [
+    drafts = [
         row_of(ctx, [(0, 1, [60]), (1, 1, [60])]),
         row_of(ctx, [(0, 1, [60]), (1, 1, [60])]),
         row_of(ctx, [(0, 2, [10])]),  # 10 tokens on a ring of 2: load 5 + 50
     ]
-    before = sum(max(g.load for g in row) for row in rows)
-    dissolve_light_rows(ctx, rows)
-    assert len(rows) == 2 and sorted(len(g.items) for r in rows for g in r) == [1, 1, 1, 2]
-    assert sum(max(g.load for g in row) for row in rows) + 5.0 * 2 < before + 5.0 * 3
+    before = sum(max(g.load for g in draft) for draft in drafts)
+    dissolve_light_microbatches(ctx, drafts)
+    assert len(drafts) == 2 and sorted(len(g.items) for r in drafts for g in r) == [1, 1, 1, 2]
+    assert sum(max(g.load for g in draft) for draft in drafts) + 5.0 * 2 < before + 5.0 * 3
 
 
 def test_a_microbatch_is_kept_when_its_samples_do_not_fit_elsewhere():
     cost = CostModel(1.0, 0.0, microbatch=5.0)
     ctx = context(2, 100, cost)
     _IDS.clear()
-    rows = [row_of(ctx, [(0, 1, [95]), (1, 1, [95])]), row_of(ctx, [(0, 1, [10]), (1, 1, [10])])]
-    dissolve_light_rows(ctx, rows)
-    assert len(rows) == 2 and [len(g.items) for g in rows[1]] == [1, 1]
-    assert [g.load for g in rows[0]] == [95.0, 95.0]  # the failed attempt was undone
+    drafts = [row_of(ctx, [(0, 1, [95]), (1, 1, [95])]), row_of(ctx, [(0, 1, [10]), (1, 1, [10])])]
+    dissolve_light_microbatches(ctx, drafts)
+    assert len(drafts) == 2 and [len(g.items) for g in drafts[1]] == [1, 1]
+    assert [g.load for g in drafts[0]] == [95.0, 95.0]  # the failed attempt was undone
 
 
 def test_dissolving_keeps_a_micro_batch_count_vpp_accepts():
     cost = CostModel(1.0, 0.0, microbatch=50.0)
     ctx = context(2, 100, cost)
     _IDS.clear()
-    rows = [row_of(ctx, [(0, 1, [40]), (1, 1, [40])]) for _ in range(3)]
-    rows.append(row_of(ctx, [(0, 1, [5]), (1, 1, [5])]))
-    dissolve_light_rows(ctx, rows, vpp=2)
-    assert len(rows) % 2 == 0
+    drafts = [row_of(ctx, [(0, 1, [40]), (1, 1, [40])]) for _ in range(3)]
+    drafts.append(row_of(ctx, [(0, 1, [5]), (1, 1, [5])]))
+    dissolve_light_microbatches(ctx, drafts, vpp=2)
+    assert len(drafts) % 2 == 0
 
 
 @pytest.mark.parametrize("vpp", [2, 3, 4])

@@ -1,29 +1,30 @@
-"""Unit tests of the named steps of ``default_dynamic_cp`` (its module docstring lists them) and
-of the VPP micro-batch count rule. Pure Python, no hypothesis."""
+"""Unit tests of the construction and alignment of ``default_dynamic_cp`` (``dynamic_cp``: its
+scheduler module lists the phases) and of the VPP micro-batch count rule. Pure Python, no
+hypothesis."""
 
 import pytest
 
 from megatron_dcp.scheduling import CostModel, Domain
 from megatron_dcp.scheduling.balance import align_microbatch_count
 from megatron_dcp.scheduling.buddy import BuddyAllocator
-from megatron_dcp.scheduling.default_dynamic_cp import (
-    draft_critical_path,
-    equalize_buckets,
-    is_heavy,
-    plan_rows,
-    promotion_waste,
-)
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, group_of_items
-from megatron_dcp.scheduling.dynamic_cp_context import Context
-from megatron_dcp.scheduling.microbatch_forming import (
+from megatron_dcp.scheduling.dynamic_cp.construction import (
+    equalize_buckets,
+    formed_plan,
+    is_heavy,
+    promotion_waste,
+)
+from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import (
     fill_level,
+    form_microbatch,
     heaviest_first,
-    next_hdp_group,
     trial_sizes,
 )
-from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
-from megatron_dcp.scheduling.vpp_alignment import align_to_vpp
+from megatron_dcp.scheduling.dynamic_cp.microbatch_search import rebalance_microbatch
+from megatron_dcp.scheduling.dynamic_cp.rank_repair import fill_empty_ranks
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, draft_critical_path
+from megatron_dcp.scheduling.dynamic_cp.vpp_alignment import align_to_vpp
 
 # Scheduling errors name the scheduling parameters (the flags come from the layers above).
 VPP = "microbatch_group_size_per_vp_stage"
@@ -93,7 +94,7 @@ def test_next_hdp_group_partitions_the_domain_and_returns_leftovers(n, lengths):
     ctx = context(n=n, budget=100)
     lengths = [min(length, n * 100) for length in lengths]
     items = heaviest_first(ctx, items_of(ctx, lengths))
-    groups, leftovers = next_hdp_group(ctx, items)
+    groups, leftovers = form_microbatch(ctx, items)
     placed = [i for g in groups for i in g.items]
     assert sorted(placed + leftovers, key=lambda i: i.sample_id) == sorted(
         items, key=lambda i: i.sample_id
@@ -109,7 +110,7 @@ def test_next_hdp_group_partitions_the_domain_and_returns_leftovers(n, lengths):
 
 def test_next_hdp_group_fewer_samples_than_ranks_expands_groups():
     ctx = context(n=8, budget=64)
-    groups, leftovers = next_hdp_group(ctx, heaviest_first(ctx, items_of(ctx, [100, 3, 7])))
+    groups, leftovers = form_microbatch(ctx, heaviest_first(ctx, items_of(ctx, [100, 3, 7])))
     assert not leftovers and covered(groups) == list(range(8))
     assert all(g.items for g in groups) and len(groups) <= 3
 
@@ -119,7 +120,7 @@ def test_next_hdp_group_gives_a_short_sequence_a_larger_group_when_that_balances
     over more ranks than its minimum so that its group's load matches the others."""
     ctx = context(n=8, budget=1000, cost=CostModel.attention_only())
     items = heaviest_first(ctx, items_of(ctx, [1000] + [250] * 16))
-    groups, leftovers = next_hdp_group(ctx, items)
+    groups, leftovers = form_microbatch(ctx, items)
     long_group = next(g for g in groups if any(i.sample_id == 0 for i in g.items))
     assert long_group.size > 1 and not leftovers
     assert max(g.load for g in groups) < ctx.cost.per_rank(1000, 1)
@@ -208,7 +209,7 @@ def test_rebalance_row_lowers_the_maximum():
     heavy = group_of_items(free.allocate(1), items_of(ctx, [30, 30, 30]), ctx.cost)
     light = group_of_items(free.allocate(1), [Item(3, 1, 1)], ctx.cost)
     before = heavy.load
-    rebalance_row(ctx, [heavy, light])
+    rebalance_microbatch(ctx, [heavy, light])
     assert max(heavy.load, light.load) < before and len(heavy.items) == 2
     assert heavy.load == pytest.approx(2 * 30**2) and light.load == pytest.approx(30**2 + 1)
 
@@ -217,22 +218,24 @@ def test_rebalance_row_lowers_the_maximum():
 def test_align_to_vpp_splits_microbatches(vpp):
     ctx = context(n=4, budget=100)
     items = items_of(ctx, [90, 80, 70, 60, 50, 40, 30, 20, 10, 5, 1, 0])
-    rows = plan_rows(ctx, heaviest_first(ctx, items))
-    aligned = align_to_vpp(ctx, rows, items, vpp)
-    assert len(aligned) % vpp == 0 and len(aligned) >= len(rows)
-    assert sorted(i.sample_id for row in aligned for g in row for i in g.items) == list(range(12))
-    assert all(covered(row) == [0, 1, 2, 3] and all(g.items for g in row) for row in aligned)
+    drafts = formed_plan(ctx, heaviest_first(ctx, items))
+    aligned = align_to_vpp(ctx, drafts, items, vpp)
+    assert len(aligned) % vpp == 0 and len(aligned) >= len(drafts)
+    assert sorted(i.sample_id for draft in aligned for g in draft for i in g.items) == list(
+        range(12)
+    )
+    assert all(covered(draft) == [0, 1, 2, 3] and all(g.items for g in draft) for draft in aligned)
     assert draft_critical_path(ctx, aligned) > 0
 
 
 def test_align_to_vpp_falls_back_to_whole_domain_microbatches_or_names_the_flag():
     ctx = context(n=1, budget=2)
     items = items_of(ctx, [2, 1, 1])  # 3 micro-batches laid out; 2 whole-domain ones suffice
-    rows = [[group_of_items(Block(0, 1), [item], ctx.cost)] for item in items]
-    aligned = align_to_vpp(ctx, rows, items, 2)
-    assert [[i.sample_id for i in row[0].items] for row in aligned] == [[0], [1, 2]]
+    drafts = [[group_of_items(Block(0, 1), [item], ctx.cost)] for item in items]
+    aligned = align_to_vpp(ctx, drafts, items, 2)
+    assert [[i.sample_id for i in draft[0].items] for draft in aligned] == [[0], [1, 2]]
     full = items_of(ctx, [2, 2, 2])
-    rows = [[group_of_items(Block(0, 1), [item], ctx.cost)] for item in full]
+    drafts = [[group_of_items(Block(0, 1), [item], ctx.cost)] for item in full]
     with pytest.raises(ValueError, match=VPP):
-        align_to_vpp(ctx, rows, full, 2)
-    assert align_to_vpp(ctx, rows, full, None) is rows
+        align_to_vpp(ctx, drafts, full, 2)
+    assert align_to_vpp(ctx, drafts, full, None) is drafts

@@ -1,4 +1,4 @@
-"""``MicroBatchBuilder``: step 3 of ``default_dynamic_cp`` at the level of one micro-batch. It
+"""``MicroBatchBuilder``: the placement of samples in one micro-batch under construction. It
 opens the micro-batch with its heaviest sample, then places the others on fresh blocks or on the
 least-loaded group where they fit under the level (one heap of groups per CP size)."""
 
@@ -10,16 +10,8 @@ from operator import not_
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator
-from megatron_dcp.scheduling.draft import SEQLEN, GroupDraft, Item
-from megatron_dcp.scheduling.dynamic_cp_context import EPS, Context, Row
-
-# A filling pass stops after this many consecutive samples that fit nowhere (once no rank is free)
-# per FAIL_SPAN ranks of the domain (at least FAIL_LIMIT): a domain k times larger draws k times
-# more samples of each kind, so the same share of misfits makes runs of misses k times longer.
-FAIL_LIMIT = 48
-FAIL_SPAN = 64
-# Groups skipped per CP size when the least-loaded ones lack token room for a sample.
-SKIP_LIMIT = 8
+from megatron_dcp.scheduling.draft import GroupDraft, Item
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
 
 INF = float("inf")
 
@@ -34,9 +26,11 @@ class MicroBatchBuilder:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.fail_limit = FAIL_LIMIT * max(1, ctx.domain.size // FAIL_SPAN)
+        knobs = ctx.knobs
+        self.fail_limit = knobs.fail_limit * max(1, ctx.domain.size // knobs.fail_span)
+        self.skip_limit = knobs.skip_limit
         self.free = BuddyAllocator(ctx.domain)
-        self.groups: Row = []
+        self.groups: MicroBatchDraft = []
         self.heaps: Dict[int, List[HeapEntry]] = {}
         self.lanes: List[Lane] = []  # one per key of ``heaps``, by ascending size
         self.level = 0.0
@@ -55,7 +49,7 @@ class MicroBatchBuilder:
         """Place the first sample on a fresh group of ``size`` ranks; the level is its cost or
         ``floor``, whichever is higher."""
         self._add_group(item, size)
-        self.level = max(self.groups[0].load, floor) * (1 + EPS)
+        self.level = max(self.groups[0].load, floor) * (1 + self.ctx.knobs.eps)
 
     def fill_from(self, pool: Sequence[Item]) -> List[Item]:
         """Place what fits of ``pool`` (heaviest first: its last sample is the shortest), then top
@@ -217,16 +211,16 @@ class MicroBatchBuilder:
             least = min(least, heap[0][2].tokens)
         self.token_bounds[size] = capacity - least
 
-    @staticmethod
     def _skip_full(
+        self,
         heap: List[HeapEntry],
         capacity: int,
         limit: int,
         skipped: List[Tuple[List[HeapEntry], int, HeapEntry]],
     ) -> None:
-        """Pop (into ``skipped``) up to ``SKIP_LIMIT`` least-loaded groups holding more than
+        """Pop (into ``skipped``) up to ``knobs.skip_limit`` least-loaded groups holding more than
         ``limit`` tokens (no room for the sample)."""
-        for _ in range(SKIP_LIMIT):
+        for _ in range(self.skip_limit):
             if not heap or heap[0][2].tokens <= limit:
                 return
             skipped.append((heap, capacity, heapq.heappop(heap)))

@@ -1,12 +1,12 @@
-"""Steps 1 and 3 of ``default_dynamic_cp``: samples heaviest first (``heaviest_first``), and one
-micro-batch formed from a pool of samples (``next_hdp_group``).
+"""Construction of one micro-batch: samples heaviest first (``heaviest_first``), and one
+micro-batch formed from a pool of samples (``form_microbatch``).
 
 The heaviest sample opens the micro-batch on a CP group of one of a few sizes (``trial_sizes``),
 which sets the *level* (its per-rank cost, at least ``fill_level``). Every other sample, heaviest
-first and then lightest first to top up, takes a fresh block of the smallest CP size whose cost
-fits under the level, or joins the least-loaded group where it fits (placing with
-``microbatch_builder.MicroBatchBuilder``). The trial (``build_trial``) with the best
-``efficiency`` wins; idle ranks are filled and the micro-batch rebalanced (``row_refinement``).
+first and then lightest first to top up, takes a fresh block of the smallest CP size whose cost fits
+under the level, or joins the least-loaded group where it fits (placing with
+``microbatch_builder.MicroBatchBuilder``). The trial (``build_trial``) with the best ``efficiency``
+wins; idle ranks are filled and the micro-batch rebalanced (``rank_repair``, ``microbatch_search``).
 """
 
 from __future__ import annotations
@@ -15,61 +15,54 @@ from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import SEQLEN, Item, longest_first
-from megatron_dcp.scheduling.dynamic_cp_context import Context, Row
-from megatron_dcp.scheduling.microbatch_builder import MicroBatchBuilder
-from megatron_dcp.scheduling.row_refinement import fill_empty_ranks, rebalance_row
-
-# CP sizes tried for the sample that opens a micro-batch, and the efficiency that ends the trials.
-TRIALS = 3
-GOOD_EFFICIENCY = 0.965
-# Trials whose efficiencies differ by at most this much tie (then fewer leftovers win).
-SCORE_TIE = 1e-4
-# The last micro-batch may exceed its level by this fraction to save one more micro-batch.
-LAST_SLACK = 0.02
+from megatron_dcp.scheduling.dynamic_cp.microbatch_builder import MicroBatchBuilder
+from megatron_dcp.scheduling.dynamic_cp.microbatch_search import rebalance_microbatch
+from megatron_dcp.scheduling.dynamic_cp.rank_repair import fill_empty_ranks
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft, peak
 
 
 def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
-    """Step 1: samples by decreasing least total work, then id (deterministic). The least total
+    """Samples by decreasing least total work, then id (deterministic). The least total
     work grows strictly with the length (the minimum CP size never falls as the length grows,
     and a sequence's total cost never falls as its CP size grows), so the order is that of
     decreasing length."""
     return longest_first(list(items))
 
 
-def next_hdp_group(
+def form_microbatch(
     ctx: Context, pool: Sequence[Item], floor: Optional[float] = None
-) -> Tuple[Row, List[Item]]:
-    """Step 3: form one micro-batch from ``pool`` (heaviest first; non-empty; ``floor`` its
+) -> Tuple[MicroBatchDraft, List[Item]]:
+    """Form one micro-batch from ``pool`` (heaviest first; non-empty; ``floor`` its
     :func:`fill_level` when known). Returns its groups, which partition the domain with no idle
     rank, and the samples left for later micro-batches."""
     tokens = sum(map(SEQLEN, pool))
     floor = fill_level(ctx, pool, tokens) if floor is None else floor
     last = tokens <= ctx.domain.size * ctx.domain.budget
-    best: Optional[Tuple[float, Row, List[Item]]] = None
+    best: Optional[Tuple[float, MicroBatchDraft, List[Item]]] = None
     for size in trial_sizes(ctx, pool[0], floor):
         groups, leftovers = build_trial(ctx, pool, size, floor, last)
         score = efficiency(ctx, groups)
-        if best is None or better_trial((score, len(leftovers)), (best[0], len(best[2]))):
+        if best is None or better_trial(ctx, (score, len(leftovers)), (best[0], len(best[2]))):
             best = (score, groups, leftovers)
-        if score >= GOOD_EFFICIENCY:
+        if score >= ctx.knobs.good_efficiency:
             break
     assert best is not None
-    rebalance_row(ctx, best[1])
+    rebalance_microbatch(ctx, best[1])
     return best[1], best[2]
 
 
-def better_trial(new: Tuple[float, int], old: Tuple[float, int]) -> bool:
-    """(efficiency, leftover count) of two trials: higher efficiency wins; within ``SCORE_TIE``,
-    fewer leftovers (fewer micro-batches)."""
-    if abs(new[0] - old[0]) <= SCORE_TIE:
+def better_trial(ctx: Context, new: Tuple[float, int], old: Tuple[float, int]) -> bool:
+    """(efficiency, leftover count) of two trials: higher efficiency wins; within
+    ``knobs.score_tie``, fewer leftovers (fewer micro-batches)."""
+    if abs(new[0] - old[0]) <= ctx.knobs.score_tie:
         return new[1] < old[1]
     return new[0] > old[0]
 
 
 def build_trial(
     ctx: Context, pool: Sequence[Item], size: int, floor: float, last: bool
-) -> Tuple[Row, List[Item]]:
-    """One trial of :func:`next_hdp_group`: ``pool[0]`` opens on ``size`` ranks, the rest fills up
+) -> Tuple[MicroBatchDraft, List[Item]]:
+    """One trial of :func:`form_microbatch`: ``pool[0]`` opens on ``size`` ranks, the rest fills up
     to the level (the ``last`` micro-batch may absorb what is left), and idle ranks are filled."""
     builder = MicroBatchBuilder(ctx)
     builder.open(pool[0], size, floor)
@@ -81,14 +74,14 @@ def build_trial(
 
 
 def absorb_leftovers(ctx: Context, builder: MicroBatchBuilder, leftovers: List[Item]) -> List[Item]:
-    """The last micro-batch places its leftovers above the level when that costs less than the
-    extra micro-batch they would need, give or take ``LAST_SLACK`` of the peak: one micro-batch
+    """The last micro-batch places its leftovers above the level when that costs less than the extra
+    micro-batch they would need, give or take ``knobs.last_slack`` of the peak: one micro-batch
     fewer is worth that much. Returns the samples still left."""
-    peak = max(group.load for group in builder.groups)
-    limit = peak * (1 + LAST_SLACK) + extra_microbatch_cost(ctx, leftovers)
+    extra = extra_microbatch_cost(ctx, leftovers)
+    limit = peak(builder.groups) * (1 + ctx.knobs.last_slack) + extra
     builder.level, builder.journal = float("inf"), []
     rest = builder.fill_from(leftovers)
-    if max(group.load for group in builder.groups) > limit:
+    if peak(builder.groups) > limit:
         builder.undo()
         return leftovers
     return rest
@@ -118,7 +111,7 @@ def fill_level(ctx: Context, pool: Sequence[Item], tokens: Optional[int] = None)
 def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
     """CP sizes to try for the sample that opens a micro-batch, best guess first: the smallest
     size an empty micro-batch can hold whose per-rank cost is within ``floor`` (or the cheapest
-    per rank), then smaller ones, which raise the level (at most ``TRIALS``)."""
+    per rank), then smaller ones, which raise the level (at most ``knobs.trials``)."""
     sizes: List[int] = []
     for size in ctx.sizes_from(item.min_cp):
         if not ctx.openable(size):
@@ -128,15 +121,15 @@ def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
         sizes.append(size)
         if ctx.alone(item.seqlen, size) <= floor:
             break
-    return sizes[::-1][:TRIALS]
+    return sizes[::-1][: ctx.knobs.trials]
 
 
-def efficiency(ctx: Context, row: Row) -> float:
+def efficiency(ctx: Context, draft: MicroBatchDraft) -> float:
     """Useful work of a micro-batch (each sample at its minimum CP size) over N × its max rank
     cost: 1 for a perfectly balanced micro-batch without extra CP overhead."""
-    peak = max(group.load for group in row)
-    if peak <= 0:
+    top = peak(draft)
+    if top <= 0:
         return 1.0
-    items = chain.from_iterable(group.items for group in row)
+    items = chain.from_iterable(group.items for group in draft)
     useful = sum(map(ctx.work.__getitem__, map(SEQLEN, items)))
-    return useful / (ctx.domain.size * peak)
+    return useful / (ctx.domain.size * top)

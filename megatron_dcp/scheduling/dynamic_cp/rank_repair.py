@@ -1,25 +1,22 @@
-"""Steps 4 and 5 of ``default_dynamic_cp``, which refine one micro-batch (a row of groups):
-``fill_empty_ranks`` leaves no rank idle, ``rebalance_row`` lowers the most-loaded group."""
+"""Empty-rank repair: no rank of a micro-batch may be idle (a plan invariant). A free block
+takes a sample from a group holding several, or a spare sample; else the groups grow into the
+free ranks (power-of-two domains, :func:`grow_groups`) or merge into the parent block. Also the
+layout of groups on aligned blocks, largest first (:func:`layout`), which resizing moves use."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator, contains, parent_block
 from megatron_dcp.scheduling.domain import Block, is_power_of_two
 from megatron_dcp.scheduling.draft import GroupDraft, Item
-from megatron_dcp.scheduling.dynamic_cp_context import EPS, Context, Row
-
-# rebalance_row: moves per micro-batch, samples of the top group and partners examined.
-REBALANCE_STEPS = 8
-REBALANCE_ITEMS = 12
-REBALANCE_PARTNERS = 4
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
 
 
 def fill_empty_ranks(
-    ctx: Context, groups: Row, free: BuddyAllocator, spare: Optional[List[Item]] = None
+    ctx: Context, groups: MicroBatchDraft, free: BuddyAllocator, spare: Optional[List[Item]] = None
 ) -> None:
-    """Step 4: no rank may be idle. Each free block (smallest first) takes the sample whose move
+    """No rank may be idle. Each free block (smallest first) takes the sample whose move
     from a group holding several leaves the lowest load, else the lightest fitting sample of
     ``spare`` (removed from it); when neither exists, the groups grow into the free ranks
     (:func:`grow_groups`, power-of-two domains) or the block and its neighbouring groups merge
@@ -39,7 +36,7 @@ def fill_empty_ranks(
             merge_into_parent(ctx, groups, free, block)
 
 
-def grow_groups(ctx: Context, groups: Row) -> None:
+def grow_groups(ctx: Context, groups: MicroBatchDraft) -> None:
     """Fill the free ranks of a power-of-two domain by doubling groups, each time the one whose
     doubling leaves the lowest peak (ties: the least added total cost), then lay the groups out
     again on aligned blocks, largest first (positions do not change costs). A free rank count
@@ -67,7 +64,7 @@ def grow_groups(ctx: Context, groups: Row) -> None:
     layout(ctx, groups, dict(zip(map(id, groups), sizes)))
 
 
-def layout(ctx: Context, groups: Row, sizes: dict) -> None:
+def layout(ctx: Context, groups: MicroBatchDraft, sizes: dict) -> None:
     """Replace ``groups`` by groups of the given ``sizes`` over consecutive aligned blocks,
     largest first (sizes are powers of two, so each block starts at a multiple of its size)."""
     start, laid = 0, []
@@ -101,7 +98,7 @@ def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:
     return None
 
 
-def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
+def take_donor(ctx: Context, groups: MicroBatchDraft, block: Block) -> Optional[Item]:
     """Remove and return the sample whose move into ``block`` leaves the smallest maximum of the
     two loads, among groups holding several samples; None when no group can spare one."""
     best: Optional[Tuple[Tuple[float, int, int], GroupDraft, Item]] = None
@@ -125,7 +122,9 @@ def take_donor(ctx: Context, groups: Row, block: Block) -> Optional[Item]:
     return item
 
 
-def merge_into_parent(ctx: Context, groups: Row, free: BuddyAllocator, block: Block) -> None:
+def merge_into_parent(
+    ctx: Context, groups: MicroBatchDraft, free: BuddyAllocator, block: Block
+) -> None:
     """Replace ``block``'s parent subtree (groups and free blocks) by one group over the parent,
     or by one free block when the subtree holds no group (buddies freed separately)."""
     parent = parent_block(ctx.domain, block)
@@ -140,48 +139,3 @@ def merge_into_parent(ctx: Context, groups: Row, free: BuddyAllocator, block: Bl
         for item in group.items:
             merged.push(item, ctx.load(item.seqlen, parent.size))
     groups.append(merged)
-
-
-def rebalance_row(ctx: Context, row: Row) -> None:
-    """Step 5: move a sample from the most-loaded group to one of the lightest groups while that
-    lowers the larger of the two loads (at most ``REBALANCE_STEPS`` moves)."""
-    for _ in range(REBALANCE_STEPS):
-        ordered = sorted(row, key=lambda g: (g.load, g.block.start))
-        top, partners = ordered[-1], ordered[:REBALANCE_PARTNERS]
-        move = best_move(ctx, top, [g for g in partners if g is not top])
-        if move is None:
-            return
-        item, partner = move
-        top.pop(item, ctx.load(item.seqlen, top.size))
-        partner.push(item, ctx.load(item.seqlen, partner.size))
-
-
-def best_move(
-    ctx: Context, top: GroupDraft, partners: Sequence[GroupDraft]
-) -> Optional[Tuple[Item, GroupDraft]]:
-    """The (sample of ``top``, partner) move that lowers max(top, partner) the most; None if none
-    does. ``top`` keeps at least one sample; at most ``REBALANCE_ITEMS`` samples are examined."""
-    if len(top.items) < 2:
-        return None
-    best, best_peak = None, top.load * (1 - EPS)
-    for item in spread(top.items, REBALANCE_ITEMS):
-        if top.tokens == item.seqlen:
-            continue  # ``top`` would keep empty samples only
-        for partner in partners:
-            if item.min_cp > partner.size or ctx.room(partner) < item.seqlen:
-                continue
-            peak = max(
-                top.load - ctx.load(item.seqlen, top.size),
-                partner.load + ctx.load(item.seqlen, partner.size),
-            )
-            if peak < best_peak:
-                best, best_peak = (item, partner), peak
-    return best
-
-
-def spread(items: Sequence[Item], count: int) -> List[Item]:
-    """At most ``count`` of ``items``, evenly spaced in their current order."""
-    if len(items) <= count:
-        return list(items)
-    step = len(items) / count
-    return [items[int(k * step)] for k in range(count)]

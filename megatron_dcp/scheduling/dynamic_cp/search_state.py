@@ -1,5 +1,7 @@
-"""What every step of ``default_dynamic_cp`` shares: the domain, the cost model and memoised
-per-rank costs (:class:`Context`), and the draft micro-batch type :data:`Row`."""
+"""The search state of ``default_dynamic_cp``: what construction, alignment and every move
+share (:class:`Context`: the domain, the cost model, the :class:`~.knobs.Knobs` and memoised
+per-rank costs) and the *micro-batch draft* (:data:`MicroBatchDraft`, the mutable groups of one
+micro-batch), with its peak and a plan's critical path."""
 
 from __future__ import annotations
 
@@ -9,17 +11,26 @@ from megatron_dcp.scheduling.buddy import BuddyAllocator
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Block, Domain
 from megatron_dcp.scheduling.draft import GroupDraft, Item
-
-# Relative slack of float comparisons of loads.
-EPS = 1e-9
+from megatron_dcp.scheduling.dynamic_cp.knobs import DEFAULT_KNOBS, Knobs
 
 # One micro-batch under construction: its groups.
-Row = List[GroupDraft]
+MicroBatchDraft = List[GroupDraft]
 
 
-def peak(row: Row) -> float:
+def peak(draft: MicroBatchDraft) -> float:
     """A micro-batch's most-loaded group's per-rank cost: what it adds to the critical path."""
-    return max(group.load for group in row)
+    return max(group.load for group in draft)
+
+
+def min_plan_gain(ctx: "Context", *peaks: float) -> float:
+    """The acceptance rule of the moves across the plan: the least fall of Σ peaks a move must
+    bring, ``knobs.min_gain`` of the larger peak of the micro-batches it touches."""
+    return ctx.knobs.min_gain * max(peaks)
+
+
+def draft_critical_path(ctx: "Context", drafts: Sequence[MicroBatchDraft]) -> float:
+    """Σ over micro-batches of the most-loaded group's per-rank cost and the fixed cost."""
+    return sum(map(peak, drafts)) + ctx.cost.microbatch * len(drafts)
 
 
 class SizeCosts(dict):
@@ -50,11 +61,12 @@ class WorkTable(dict):
 
 
 class Context:
-    """What every step needs: the domain, the cost model, and memoised costs: ``per_size[c][L]``
-    (per-rank cost of a length-L sample on c ranks) and ``work[L]`` (its least total work)."""
+    """What construction and every move need: the domain, the cost model, the knobs and memoised
+    costs: ``per_size[c][L]`` (per-rank cost of a length-L sample on c ranks) and ``work[L]``
+    (its least total work)."""
 
-    def __init__(self, domain: Domain, cost: CostModel) -> None:
-        self.domain, self.cost = domain, cost
+    def __init__(self, domain: Domain, cost: CostModel, knobs: Knobs = DEFAULT_KNOBS) -> None:
+        self.domain, self.cost, self.knobs = domain, cost, knobs
         self.per_size = {size: SizeCosts(cost, size) for size in domain.group_sizes}
         self.rings = {size: cost.ring_cost(size) for size in domain.group_sizes}
         self.work = WorkTable(domain, self.per_size)

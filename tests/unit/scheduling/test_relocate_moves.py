@@ -1,88 +1,88 @@
-"""Step 7 of ``default_dynamic_cp`` (``row_exchange``: moves and swaps of samples between
-micro-batches) and the in-place VPP split: hand-made cases with known answers, and properties
+"""Relocate, swap and tie-break across micro-batches (``dynamic_cp.moves.relocate``) and the
+in-place VPP split: hand-made cases with known answers, and properties
 over random batches (the critical path never grows, the blocks and the samples stay)."""
 
 from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduling_strategies import cases, rank_rows, scaled
+from scheduling_strategies import cases, rank_drafts, scaled
 
 from megatron_dcp.scheduling import CostModel, Domain, build_scheduler
-from megatron_dcp.scheduling.default_dynamic_cp import draft_critical_path, plan_rows
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, group_of_items
-from megatron_dcp.scheduling.dynamic_cp_context import Context
-from megatron_dcp.scheduling.microbatch_forming import heaviest_first
-from megatron_dcp.scheduling.row_exchange import exchange_between_rows
-from megatron_dcp.scheduling.vpp_alignment import split_in_place
+from megatron_dcp.scheduling.dynamic_cp.construction import formed_plan
+from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import heaviest_first
+from megatron_dcp.scheduling.dynamic_cp.moves.relocate import exchange_between_microbatches
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, draft_critical_path
+from megatron_dcp.scheduling.dynamic_cp.vpp_alignment import split_in_place
 
 LINEAR = CostModel(1.0, 0.0)
 
 
-def peaks(rows):
-    return [max(group.load for group in row) for row in rows]
+def peaks(drafts):
+    return [max(group.load for group in draft) for draft in drafts]
 
 
 def test_a_sample_moves_from_a_top_group_into_slack_of_another_micro_batch():
     """Moving 30 onto the 10 gives 60 + 40 (so does swapping 60 with the 10): the optimum."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
-    rows = rank_rows(ctx, [[[60, 30], [40]], [[40], [10]]])
-    assert sum(peaks(rows)) == 130
-    exchange_between_rows(ctx, rows)
-    assert sum(peaks(rows)) == 100
+    drafts = rank_drafts(ctx, [[[60, 30], [40]], [[40], [10]]])
+    assert sum(peaks(drafts)) == 130
+    exchange_between_microbatches(ctx, drafts)
+    assert sum(peaks(drafts)) == 100
 
 
 def test_the_best_exchange_wins():
     """Moving 30 would give 60 + 50; swapping 60 with a 20 gives 100 (the optimum)."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
-    rows = rank_rows(ctx, [[[60, 30], [40]], [[20], [20, 20]]])
-    exchange_between_rows(ctx, rows)
-    assert sum(peaks(rows)) == 100
+    drafts = rank_drafts(ctx, [[[60, 30], [40]], [[20], [20, 20]]])
+    exchange_between_microbatches(ctx, drafts)
+    assert sum(peaks(drafts)) == 100
 
 
 def test_a_lone_sample_is_swapped_with_a_shorter_one():
     """The top group holds one sample: only a swap can lower it (90 for 50: 50 + 90); then the
     30 trades places with the 50 (30 + 100)."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
-    rows = rank_rows(ctx, [[[90], [10]], [[50], [50, 30]]])
-    exchange_between_rows(ctx, rows)
-    assert sum(peaks(rows)) == 130
-    assert [[it.seqlen for it in g.items] for g in rows[0]] == [[30], [10]]
+    drafts = rank_drafts(ctx, [[[90], [10]], [[50], [50, 30]]])
+    exchange_between_microbatches(ctx, drafts)
+    assert sum(peaks(drafts)) == 130
+    assert [[it.seqlen for it in g.items] for g in drafts[0]] == [[30], [10]]
 
 
 def test_a_top_group_tied_with_another_sheds_first_without_gain():
     """60 and 60 tie: moving a 10 from either leaves the peak at 60, but it costs nothing (the
     other micro-batch's 10 + 10 stays under its 40); then the other 10 moves too (100 -> 90)."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
-    rows = rank_rows(ctx, [[[50, 10], [50, 10]], [[40], [10]]])
-    exchange_between_rows(ctx, rows)
-    assert peaks(rows) == [60, 40]  # ties are broken only when asked
-    exchange_between_rows(ctx, rows, ties=True)
-    assert peaks(rows) == [50, 40]
+    drafts = rank_drafts(ctx, [[[50, 10], [50, 10]], [[40], [10]]])
+    exchange_between_microbatches(ctx, drafts)
+    assert peaks(drafts) == [60, 40]  # ties are broken only when asked
+    exchange_between_microbatches(ctx, drafts, ties=True)
+    assert peaks(drafts) == [50, 40]
 
 
 def test_no_exchange_when_the_receiving_group_has_no_room():
     ctx = Context(Domain(2, 1, 60), LINEAR)
-    rows = rank_rows(ctx, [[[30, 30], [20]], [[30, 30], [60]]])
-    exchange_between_rows(ctx, rows)
-    assert peaks(rows) == [60, 60]
+    drafts = rank_drafts(ctx, [[[30, 30], [20]], [[30, 30], [60]]])
+    exchange_between_microbatches(ctx, drafts)
+    assert peaks(drafts) == [60, 60]
 
 
 def test_no_swap_past_the_token_budget():
     """Swapping the 96 for the 40 would give 40 + 123 but put 246 tokens on a group of two ranks
     with budget 100; moving the 40 onto the 10 gives 96 + 75."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
-    (row,) = rank_rows(ctx, [[[96], [10]]])
+    (draft,) = rank_drafts(ctx, [[[96], [10]]])
     pair = [Item(10, 150, 2), Item(11, 40, 1)]
-    rows = [row, [group_of_items(Block(0, 2), pair, LINEAR)]]
-    exchange_between_rows(ctx, rows)
-    assert peaks(rows) == [96, 75]
-    assert all(g.tokens <= g.size * 100 for r in rows for g in r)
+    drafts = [draft, [group_of_items(Block(0, 2), pair, LINEAR)]]
+    exchange_between_microbatches(ctx, drafts)
+    assert peaks(drafts) == [96, 75]
+    assert all(g.tokens <= g.size * 100 for r in drafts for g in r)
 
 
-def row_signature(row):
-    return sorted((group.block.start, group.size) for group in row)
+def row_signature(draft):
+    return sorted((group.block.start, group.size) for group in draft)
 
 
 @settings(max_examples=scaled(150), deadline=None)
@@ -94,18 +94,18 @@ def test_exchanges_never_lengthen_the_critical_path(data, ring, quadratic):
     if not case.seqlens or max(case.seqlens) > domain.max_tokens_per_sequence:
         return
     items = [Item(i, n, domain.cp_degree(n)) for i, n in enumerate(case.seqlens)]
-    rows = plan_rows(ctx, heaviest_first(ctx, items))
-    before = draft_critical_path(ctx, rows)
-    layout = [row_signature(row) for row in rows]
-    held = [[group.tokens > 0 for group in row] for row in rows]
-    exchange_between_rows(ctx, rows)
-    assert draft_critical_path(ctx, rows) <= before * (1 + 1e-9)
-    assert [row_signature(row) for row in rows] == layout
-    assert Counter(it.sample_id for r in rows for g in r for it in g.items) == Counter(
+    drafts = formed_plan(ctx, heaviest_first(ctx, items))
+    before = draft_critical_path(ctx, drafts)
+    layout = [row_signature(draft) for draft in drafts]
+    held = [[group.tokens > 0 for group in draft] for draft in drafts]
+    exchange_between_microbatches(ctx, drafts)
+    assert draft_critical_path(ctx, drafts) <= before * (1 + 1e-9)
+    assert [row_signature(draft) for draft in drafts] == layout
+    assert Counter(it.sample_id for r in drafts for g in r for it in g.items) == Counter(
         range(len(items))
     )
-    for row, had in zip(rows, held):
-        for group, tokens in zip(row, had):
+    for draft, had in zip(drafts, held):
+        for group, tokens in zip(draft, had):
             assert group.tokens <= group.size * domain.budget
             assert all(item.min_cp <= group.size for item in group.items)
             assert group.tokens > 0 or not tokens  # a group with work keeps work
@@ -113,16 +113,16 @@ def test_exchanges_never_lengthen_the_critical_path(data, ring, quadratic):
 
 def test_an_in_place_split_halves_every_group_of_a_full_micro_batch():
     ctx = Context(Domain(4, 1, 100), LINEAR)
-    (row,) = rank_rows(ctx, [[[10, 10, 10, 10]] * 4])
-    halves = split_in_place(ctx, row)
+    (draft,) = rank_drafts(ctx, [[[10, 10, 10, 10]] * 4])
+    halves = split_in_place(ctx, draft)
     assert [peaks([half]) for half in halves] == [[20], [20]]
-    assert all(row_signature(half) == row_signature(row) for half in halves)
+    assert all(row_signature(half) == row_signature(draft) for half in halves)
 
 
 def test_an_in_place_split_fills_the_blocks_a_lone_sample_leaves_free():
     ctx = Context(Domain(4, 1, 100), LINEAR)
-    (row,) = rank_rows(ctx, [[[40], [40], [10, 10, 10], [10, 10, 10]]])
-    halves = split_in_place(ctx, row)
+    (draft,) = rank_drafts(ctx, [[[40], [40], [10, 10, 10], [10, 10, 10]]])
+    halves = split_in_place(ctx, draft)
     for half in halves:
         assert sum(group.size for group in half) == 4
         assert all(group.items and group.tokens > 0 for group in half)
@@ -132,8 +132,8 @@ def test_an_in_place_split_fills_the_blocks_a_lone_sample_leaves_free():
 
 def test_no_in_place_split_of_a_lone_sample():
     ctx = Context(Domain(4, 1, 100), LINEAR)
-    row = [group_of_items(Block(0, 4), [Item(0, 40, 1), Item(1, 0, 1)], LINEAR)]
-    assert split_in_place(ctx, row) is None
+    draft = [group_of_items(Block(0, 4), [Item(0, 40, 1), Item(1, 0, 1)], LINEAR)]
+    assert split_in_place(ctx, draft) is None
 
 
 def test_vpp_split_of_one_group_micro_batches_on_a_non_power_of_two_domain():

@@ -1,0 +1,77 @@
+"""What the moves share: how a sample changes groups (:func:`transfer`, a move or, with a sample
+sent back, a swap), how samples are dealt to groups (:func:`deal`), which samples and partner
+groups a move examines (:func:`spread`, :func:`lightest`) and the inside-scope candidate
+(:class:`Candidate`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A move found inside one micro-batch: the highest load it leaves on the groups it touches
+    (``peak``) and how to make it (``apply``). The driver makes it when ``peak`` is below the
+    micro-batch's top."""
+
+    peak: float
+    apply: Callable[[], None]
+    resizes: bool = False  # group sizes change: the micro-batch is laid out again afterwards
+
+
+def transfer(
+    ctx: Context, source: GroupDraft, item: Item, target: GroupDraft, back: Optional[Item]
+) -> None:
+    """Move ``item`` from ``source`` to ``target``; with ``back``, ``target``'s sample ``back``
+    goes the other way (a swap)."""
+    source.pop(item, ctx.load(item.seqlen, source.size))
+    if back is not None:
+        target.pop(back, ctx.load(back.seqlen, target.size))
+        source.push(back, ctx.load(back.seqlen, source.size))
+    target.push(item, ctx.load(item.seqlen, target.size))
+
+
+def deal(ctx: Context, items: Sequence[Item], groups: Sequence[GroupDraft]) -> bool:
+    """Deal ``items`` to ``groups`` longest first, each to the group it leaves least loaded among
+    those that can take it (token room, minimum CP size; ties: the earlier group). False when a
+    sample fits none (the groups then hold a part of the samples)."""
+    for item in longest_first(list(items)):
+        best, best_load = None, 0.0
+        for group in groups:
+            if group.size < item.min_cp or ctx.room(group) < item.seqlen:
+                continue
+            load = group.load + ctx.load(item.seqlen, group.size)
+            if best is None or load < best_load:
+                best, best_load = group, load
+        if best is None:
+            return False
+        best.push(item, ctx.load(item.seqlen, best.size))
+    return True
+
+
+def spread(items: Sequence[Item], count: int) -> List[Item]:
+    """At most ``count`` of ``items``, evenly spaced in their current order."""
+    if len(items) <= count:
+        return list(items)
+    step = len(items) / count
+    return [items[int(k * step)] for k in range(count)]
+
+
+def lightest(draft: MicroBatchDraft, top: GroupDraft, count: int) -> List[GroupDraft]:
+    """The ``count`` least-loaded groups of ``draft`` other than ``top``."""
+    others = [group for group in draft if group is not top]
+    others.sort(key=lambda g: (g.load, g.block.start))
+    return others[:count]
+
+
+def replace_groups(
+    draft: MicroBatchDraft, old: Sequence[GroupDraft], new: Sequence[GroupDraft]
+) -> None:
+    """Replace the groups ``old`` of ``draft`` by ``new``."""
+    for group in old:
+        draft.remove(group)
+    draft.extend(new)
