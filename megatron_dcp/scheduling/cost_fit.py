@@ -265,7 +265,8 @@ def bounded_ridge(
 ) -> Vector:
     """``argmin Σ_p (z_p · f − 1)² + weight · Σ_j (f_j / anchor_j − 1)²`` over
     ``bounds[0] ≤ f_j / anchor_j ≤ bounds[1]``: a strictly convex quadratic (the weight term),
-    solved by :data:`SWEEPS` sweeps of exact coordinate minimisation (each clipped to the bounds)."""
+    solved by :data:`SWEEPS` sweeps of exact coordinate minimisation (each clipped to the bounds).
+    """
     width = len(anchor)
     gram = [[sum(z[i] * z[j] for z in points) for j in range(width)] for i in range(width)]
     rhs = [sum(z[i] for z in points) for i in range(width)]

@@ -27,6 +27,7 @@ PARAMETERS: Mapping[str, str] = {
     "hardware": "hardware",
     "batch": "more sequences in the batch",
     "max_seqlen": "shorter sequences",
+    "max_samples": "max_samples_per_group",
 }
 
 

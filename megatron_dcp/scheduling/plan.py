@@ -65,6 +65,8 @@ class Plan:
     domain: Domain
     microbatches: Tuple[MicroBatch, ...]
     microbatch_group_size_per_vp_stage: Optional[int] = None
+    # The most samples one CP group of a micro-batch may hold (None: no cap).
+    max_samples_per_group: Optional[int] = None
 
     @property
     def num_microbatches(self) -> int:
@@ -130,6 +132,9 @@ class Plan:
                 blocks.add(ranks)
             if not ids:
                 raise self._group_error(index, group, "ranks are idle (no samples)")
+            cap = self.max_samples_per_group
+            if cap is not None and len(ids) > cap:
+                raise self._group_error(index, group, f"{len(ids)} samples exceed the cap {cap}")
             if sum(map(seqlens.__getitem__, ids)) > budget * len(ranks):
                 tokens = group.tokens_per_rank(seqlens)
                 raise self._group_error(

@@ -8,6 +8,7 @@ from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import MicroBatch, Plan
+from megatron_dcp.scheduling.sample_cap import capped
 
 SCHEDULERS: Dict[str, Type["Scheduler"]] = {}
 
@@ -17,6 +18,8 @@ class Scheduler:
 
     Subclass with ``class MyScheduler(Scheduler, name="my_scheduler")`` to register it; subclasses
     implement :meth:`_schedule` and may assume non-empty, validated lengths.
+    ``max_samples_per_group`` caps the samples of one CP group of a micro-batch (None: no cap);
+    :meth:`schedule` holds every scheduler's plan to it (``scheduling.sample_cap``).
     """
 
     name: ClassVar[str] = ""
@@ -37,6 +40,7 @@ class Scheduler:
         min_cp_size: int = 1,
         microbatch_group_size_per_vp_stage: Optional[int] = None,
         cost_model: Optional[CostModel] = None,
+        max_samples_per_group: Optional[int] = None,
     ) -> None:
         self.domain = Domain(dp_size, cp_size, max_seqlen_per_dp_cp_rank, min_cp_size)
         k = microbatch_group_size_per_vp_stage
@@ -46,14 +50,27 @@ class Scheduler:
                 value=k,
             )
         self.microbatch_group_size_per_vp_stage = k
+        cap = max_samples_per_group
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise SchedulingError(
+                "{max_samples}={value!r}: must be a positive integer (samples per CP group).",
+                value=cap,
+            )
+        self.max_samples_per_group = cap
         self.cost_model = cost_model or CostModel.from_model_shape()
 
     def schedule(self, seqlens: Iterable[int]) -> Plan:
         """Plan one global batch; sample id = index in ``seqlens``. Deterministic in its input."""
         lengths = self.domain.check_seqlens(seqlens)
         microbatches = self._schedule(lengths) if lengths else []
+        if self.max_samples_per_group is not None:
+            microbatches = capped(microbatches, lengths, self.max_samples_per_group, self._schedule)
         plan = Plan(
-            lengths, self.domain, tuple(microbatches), self.microbatch_group_size_per_vp_stage
+            lengths,
+            self.domain,
+            tuple(microbatches),
+            self.microbatch_group_size_per_vp_stage,
+            self.max_samples_per_group,
         )
         return plan.validate()
 
