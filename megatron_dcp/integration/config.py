@@ -30,6 +30,7 @@ from megatron_dcp.integration.packing_flags import (
     check_pack_padding,
     pack_padding_from_args,
     padded_cost,
+    planning_budget,
 )
 from megatron_dcp.runtime.pack_padding import NO_PADDING, PackPadding
 from megatron_dcp.runtime.packing import padding_multiple
@@ -314,10 +315,16 @@ class DCPConfig:
                 self.scheduler,
                 dp_size=domain_size // self.cp_size,
                 cp_size=self.cp_size,
-                max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
+                max_seqlen_per_dp_cp_rank=planning_budget(
+                    self.pack_padding,
+                    self.max_seqlen_per_dp_cp_rank,
+                    self.tp_size,
+                    self.sequence_parallel,
+                ),
                 min_cp_size=self.min_cp_size,
                 microbatch_group_size_per_vp_stage=self.vpp_group,
                 cost_model=self.cost_model,
+                max_samples_per_group=self.pack_padding.sample_cap,
             )
             scheduler.cost_model = padded_cost(scheduler.cost_model, self.pack_padding)
             if domain_ranks is not None:

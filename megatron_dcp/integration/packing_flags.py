@@ -105,10 +105,24 @@ def check_pack_padding(
     of 2·TP under sequence parallelism) and dividing the budget (an aligned pack never exceeds
     it). ``max`` pads to the budget the pack was planned within."""
     check_flags(padding.alignment, padding.max_sequences, padding.tail_policy)
-    alignment = padding.alignment
+    alignment, unit = padding.alignment, budget_multiple(tp_size, sequence_parallel)
+    if alignment == ALIGN_TO_BUDGET and padding.max_sequences is None:
+        raise ValueError(
+            f"{ALIGNMENT_FLAG}=max pads every pack to exactly --max-seqlen-per-dp-cp-rank="
+            f"{budget}: give {MAX_SEQUENCES_FLAG} K too, so that the planner keeps each pack's "
+            f"zigzag padding (< {unit} tokens per sequence and rank) within it."
+        )
+    if (
+        alignment is not None
+        and planning_budget(padding, budget, tp_size, sequence_parallel) < unit
+    ):
+        raise ValueError(
+            f"{MAX_SEQUENCES_FLAG}={padding.max_sequences}: with {ALIGNMENT_FLAG} the planner "
+            f"keeps {unit} tokens per sequence of a pack free for padding, which leaves nothing "
+            f"of --max-seqlen-per-dp-cp-rank={budget}; lower the cap or raise the budget."
+        )
     if alignment is None or alignment == ALIGN_TO_BUDGET:
         return
-    unit = budget_multiple(tp_size, sequence_parallel)
     if alignment % unit or budget % alignment:
         raise ValueError(
             f"{ALIGNMENT_FLAG}={alignment}: must be a multiple of {unit} (every sequence is "
@@ -116,6 +130,18 @@ def check_pack_padding(
             f"--max-seqlen-per-dp-cp-rank={budget}, so an aligned pack stays within the "
             f"budget; e.g. {_suggestion(budget, unit, alignment)}, or max."
         )
+
+
+def planning_budget(
+    padding: PackPadding, budget: int, tp_size: int, sequence_parallel: bool
+) -> int:
+    """The budget the planner plans within. Each sequence of a pack is padded to 2 × its CP
+    size (× TP under sequence parallelism): fewer than ``budget_multiple`` tokens per rank. With
+    an alignment and a cap of K samples per pack, the planner keeps that much per sample free,
+    so that a padded pack never exceeds the budget (``max``: exactly the budget)."""
+    if padding.alignment is None or padding.sample_cap is None:
+        return budget
+    return budget - budget_multiple(tp_size, sequence_parallel) * padding.sample_cap
 
 
 def _suggestion(budget: int, unit: int, alignment: int) -> int:

@@ -34,9 +34,10 @@ OPTIONS = TinyGPTOptions(num_layers=2)
 BUDGET = 64
 PADDINGS = {
     "align 8, dummy tail": PackPadding(alignment=8),
-    "align to the budget": PackPadding(alignment="max", budget=BUDGET),
+    "align to the budget, cap 6": PackPadding(alignment="max", budget=BUDGET, max_sequences=6),
     "align 16, extend last": PackPadding(alignment=16, tail_policy="extend_last"),
-    "cap 6, align 8": PackPadding(alignment=8, max_sequences=6),
+    "cap 2, align 8": PackPadding(alignment=8, max_sequences=3),
+    "cap 1, no alignment": PackPadding(max_sequences=1),
 }
 
 
@@ -126,6 +127,21 @@ def test_the_config_checks_the_alignment_against_the_budget():
     with pytest.raises(ValueError, match="divides --max-seqlen-per-dp-cp-rank=64"):
         DCPConfig(max_seqlen_per_dp_cp_rank=BUDGET, pack_padding=PackPadding(alignment=24))
     DCPConfig(max_seqlen_per_dp_cp_rank=BUDGET, pack_padding=PackPadding(alignment=32))
+    fixed = PackPadding(alignment="max", budget=BUDGET)
+    with pytest.raises(ValueError, match="give --thd-max-packed-sequences K too"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=BUDGET, pack_padding=fixed)
+    too_many = PackPadding(alignment="max", budget=BUDGET, max_sequences=40)
+    with pytest.raises(ValueError, match="lower the cap or raise the budget"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=BUDGET, pack_padding=too_many)
+
+
+def test_the_planner_keeps_the_cap_and_room_for_the_padding():
+    padding = PackPadding(alignment="max", budget=BUDGET, max_sequences=3)
+    config = DCPConfig(max_seqlen_per_dp_cp_rank=BUDGET, cp_size=2, pack_padding=padding)
+    scheduler = config.build_scheduler(4)
+    assert scheduler.domain.budget == BUDGET - 2 * 2 and scheduler.max_samples_per_group == 2
+    plan = scheduler.schedule([3, 5, 7, 1, 2, 9, 4, 6, 8, 1, 1, 2])
+    assert max(len(g.sample_ids) for mb in plan.microbatches for g in mb.groups) <= 2
 
 
 def test_padding_is_counted_in_the_cost():
