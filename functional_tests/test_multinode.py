@@ -20,19 +20,22 @@ from megatron_dcp.tools.launcher import (
 NNODES, NPROC_PER_NODE = 2, 2
 TRAIN_ITERS = 3
 # How soon a surviving agent must give up after its peer node died, from the timeouts that
-# death runs into (torch's defaults; megatron's collective timeout, --distributed-timeout-minutes,
-# is never reached: a killed peer closes its gloo sockets, so the surviving ranks fail at once):
+# death runs into (torch's defaults, and the collective timeout this test sets):
 # - the c10d rendezvous heartbeat notices the dead agent: keep-alive every 5 s, 3 misses;
+# - a surviving rank blocked in a collective with a dead peer usually fails at once (the peer's
+#   gloo sockets close), else at the collective timeout, --distributed-timeout-minutes, which
+#   megatron gives its groups and megatron_dcp its DCP groups (2 minutes here);
 # - the agent stops its own ranks: SIGTERM, then SIGKILL after its 30 s shutdown grace;
 # - when the dead node hosted the rendezvous store, the agent's last store reads wait out the
 #   c10d backend's 60 s read timeout before it exits;
 # with half as much again for a loaded machine (CI runs this beside other work on 2 cores).
 RENDEZVOUS_HEARTBEAT_S = 5 * 3
+COLLECTIVE_TIMEOUT_MIN = 2
 SHUTDOWN_GRACE_S = 30
 STORE_READ_TIMEOUT_S = 60
 LOADED_MACHINE_MARGIN = 1.5
 DEAD_NODE_EXIT_S = LOADED_MACHINE_MARGIN * (
-    RENDEZVOUS_HEARTBEAT_S + SHUTDOWN_GRACE_S + STORE_READ_TIMEOUT_S
+    RENDEZVOUS_HEARTBEAT_S + 60 * COLLECTIVE_TIMEOUT_MIN + SHUTDOWN_GRACE_S + STORE_READ_TIMEOUT_S
 )
 
 
@@ -45,6 +48,7 @@ def job_flags(train_iters: int = TRAIN_ITERS) -> list:
             "--context-parallel-size": 2,
             "--global-batch-size": 8,
             "--train-iters": train_iters,
+            "--distributed-timeout-minutes": COLLECTIVE_TIMEOUT_MIN,
         }
     )
     return flag_list(options)

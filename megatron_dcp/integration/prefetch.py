@@ -24,6 +24,8 @@ from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.runtime.groups import default_group_timeout
+
 Result = TypeVar("Result")
 
 
@@ -44,7 +46,7 @@ def duplicate_group(group: Any) -> Any:
     dist.all_gather_object(lists, mine)
     duplicate = None
     for ranks in sorted(set(lists)):
-        created = dist.new_group(list(ranks))
+        created = dist.new_group(list(ranks), timeout=default_group_timeout())
         if ranks == mine:
             duplicate = created
     return duplicate

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Optional, Sequence
 
@@ -380,6 +381,7 @@ def _build_entries(
             group = dist.new_group(
                 list(ranks),
                 backend=backend,
+                timeout=default_group_timeout(),
                 group_desc=desc,
                 use_local_synchronization=members_only,
             )
@@ -388,3 +390,16 @@ def _build_entries(
             assert len(ranks) not in entries, "a rank is in one block per size"
             entries[len(ranks)] = _Entry(ranks, group, created)
     return entries
+
+
+def default_group_timeout() -> Optional[timedelta]:
+    """The collective timeout of the default process group (megatron sets it from
+    ``--distributed-timeout-minutes``), for the groups DCP creates: torch would give them its own
+    default (30 minutes on gloo), so a rank whose peer died would wait that long. None where the
+    backend does not expose it (then torch's default applies)."""
+    group = _c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None

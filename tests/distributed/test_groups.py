@@ -180,3 +180,27 @@ def _bad_lists_worker(rank: int, world_size: int, lists: list) -> str:
 )
 def test_invalid_rank_lists_are_rejected(lists, message):
     assert all(message in m for m in run_distributed(_bad_lists_worker, 2, lists))
+
+
+def _group_timeouts(rank: int, world_size: int) -> list:
+    groups = DCPGroups.create([list(range(world_size))], min_cp_size=2)
+    try:
+        return [
+            (
+                groups.group_for(CPGroup(tuple(range(size)), ()))
+                ._get_backend(torch.device("cpu"))
+                .options._timeout.total_seconds()
+                if rank < size
+                else None
+            )
+            for size in (2, 4)
+        ]
+    finally:
+        groups.destroy()
+
+
+def test_dcp_groups_take_the_default_groups_timeout():
+    """A rank whose peer died waits megatron's --distributed-timeout-minutes in a DCP group's
+    collective, not torch's own default (30 minutes on gloo)."""
+    results = run_distributed(_group_timeouts, 4, collective_timeout_s=45)
+    assert results[0] == [45.0, 45.0] and results[3] == [None, 45.0]
