@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.integration.config import DCPConfig, plan_with
+from megatron_dcp.integration.config import AUTO_ROUTING, DCPConfig, plan_with
 from megatron_dcp.integration.model_checks import check_model_config
 from megatron_dcp.integration.model_cost import predicted_step_time
 from megatron_dcp.integration.node_layout import check_ranks_per_node
@@ -249,7 +249,7 @@ def routing_method(configured: str, domain_group: Any) -> str:
     """The routing ``--dcp-routing`` names; ``auto``: the all-to-all on gloo, where it measured
     faster and moves fewer bytes, the lane all-gather on NCCL, where it needs no point-to-point
     buffers per peer (docs/scaling.md, "Routing")."""
-    if configured != "auto":
+    if configured != AUTO_ROUTING:
         return configured
     gloo = torch.distributed.get_backend(domain_group) == "gloo"
     return ALL_TO_ALL if gloo else LANE_ALL_GATHER

@@ -104,7 +104,6 @@ def check_pack_padding(
     """An alignment the packs can take: even (a tail splits into the zigzag chunks; a multiple
     of 2·TP under sequence parallelism) and dividing the budget (an aligned pack never exceeds
     it). ``max`` pads to the budget the pack was planned within."""
-    check_flags(padding.alignment, padding.max_sequences, padding.tail_policy)
     alignment, unit = padding.alignment, budget_multiple(tp_size, sequence_parallel)
     if alignment == ALIGN_TO_BUDGET and padding.max_sequences is None:
         raise ValueError(
