@@ -47,9 +47,9 @@ class Knobs:
     # Batches of at most this many samples try the all-levels and packing variants and are
     # searched across micro-batches.
     search_samples: int = 512
-    # Plans of more micro-batches are neither varied nor searched across micro-batches: a
-    # search across the plan costs O(K²) for K micro-batches (the fuzzer's tiny budgets make
-    # hundreds).
+    # Plans of more micro-batches are neither varied nor searched by sample moves across
+    # micro-batches (block swaps still run): such a search costs O(K²) for K micro-batches (the
+    # fuzzer's tiny budgets make hundreds).
     search_microbatches: int = 32
     # A plan within this factor of the lower bound is good enough: fewer micro-batches win
     # then, and pairs are not re-formed.

@@ -1,30 +1,88 @@
-"""The search across the micro-batches of a plan: moves that change two or more micro-batches
-(relocate and swap samples, re-form a pair, swap two CP blocks), driven in two rounds.
+"""The search across the micro-batches of a plan: one driver (:func:`improve_plan`) and the moves
+that change two or more micro-batches as its units (relocate and swap, tie-break, re-form a pair,
+swap two CP blocks; ``moves/``), run in two rounds (:func:`search_candidates`,
+:func:`search_chosen`).
 
+A move (:class:`PlanMove`) finds, for one micro-batch, its best candidate and what it gains
+(a :class:`~.moves.transfer.PlanCandidate`) and changes nothing; the driver decides and applies.
 One acceptance rule for the moves of this scope: Σ peaks (with the fixed micro-batch cost, the
-critical path) must fall by more than ``knobs.min_gain`` of the larger peak the move touches.
-A tie-break, on the chosen plan, is the one exception: it keeps every peak and lowers a tied
-top group, so that the next move can lower the micro-batch's peak.
+critical path) must fall by more than ``knobs.min_gain`` of the larger peak the move weighs
+(:func:`~.search_state.min_plan_gain`). A tie-break, on the chosen plan, is the one exception: it
+keeps every peak and lowers a tied top group by that much, so that the next move can lower the
+micro-batch's peak.
 
 The micro-batch count never changes here (VPP alignment holds). The search runs on batches of
-at most ``knobs.search_samples`` samples and plans of at most ``knobs.search_microbatches``
-micro-batches, bounded by counted passes, steps and trials.
+at most ``knobs.search_samples`` samples and (sample moves) plans of at most
+``knobs.search_microbatches`` micro-batches, bounded by counted passes, steps and trials, never
+by time: every rank computes the same plan.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Callable, List, Optional, Protocol, Sequence
 
 from megatron_dcp.scheduling.dynamic_cp.microbatch_search import polish_plan
-from megatron_dcp.scheduling.dynamic_cp.moves.block_swap import swap_blocks
-from megatron_dcp.scheduling.dynamic_cp.moves.reform import reform_pairs
+from megatron_dcp.scheduling.dynamic_cp.moves.block_swap import BlockSwap
+from megatron_dcp.scheduling.dynamic_cp.moves.reform import ReformPair
+from megatron_dcp.scheduling.dynamic_cp.moves.relocate import Relocate, TieBreak
 from megatron_dcp.scheduling.dynamic_cp.moves.resize import copy_group
-from megatron_dcp.scheduling.dynamic_cp.moves.relocate import exchange_between_microbatches
+from megatron_dcp.scheduling.dynamic_cp.moves.transfer import PlanCandidate
 from megatron_dcp.scheduling.dynamic_cp.search_state import (
     Context,
     MicroBatchDraft,
     draft_critical_path,
+    min_plan_gain,
+    peak,
 )
+
+
+class PlanMove(Protocol):
+    """A move across the plan as the driver sees it, made for one plan (and holding what it
+    memoises about it): the driver makes at most ``passes`` passes over the micro-batches in
+    ``order()``, at most ``steps`` moves at each; with ``restart``, a pass ends at its first move
+    (the move's order then follows the plan it changed)."""
+
+    passes: int
+    steps: int
+    restart: bool
+
+    def order(self) -> List[int]:
+        """The micro-batches one pass visits, in order."""
+
+    def find(self, index: int) -> Optional[PlanCandidate]:
+        """Micro-batch ``index``'s best candidate; None when it has none."""
+
+
+# Makes the move for a plan: the move classes themselves.
+MakeMove = Callable[[Context, List[MicroBatchDraft]], PlanMove]
+
+
+def improve_plan(ctx: Context, drafts: List[MicroBatchDraft], make_move: MakeMove) -> None:
+    """Passes over the micro-batches of ``drafts`` in the move's order, each applying the move
+    at a micro-batch while one is accepted (at most ``steps`` there); the search ends after a
+    pass that did not lower Σ peaks (one that only broke ties) or after ``passes`` passes."""
+    move = make_move(ctx, drafts)
+    for _ in range(move.passes):
+        before = sum(map(peak, drafts))
+        for index in move.order():
+            if improve_at(ctx, move, index) and move.restart:
+                break
+        if sum(map(peak, drafts)) >= before:
+            return
+
+
+def improve_at(ctx: Context, move: PlanMove, index: int) -> bool:
+    """At most ``move.steps`` accepted moves at micro-batch ``index``: each the move's best
+    candidate there, made when its gain exceeds :func:`~.search_state.min_plan_gain` of the
+    peaks it weighs. True when one was made."""
+    made = False
+    for _ in range(move.steps):
+        candidate = move.find(index)
+        if candidate is None or candidate.gain <= min_plan_gain(ctx, *candidate.peaks):
+            break
+        candidate.apply()
+        made = True
+    return made
 
 
 def search_candidates(ctx: Context, plans: Sequence[List[MicroBatchDraft]], samples: int) -> None:
@@ -32,29 +90,28 @@ def search_candidates(ctx: Context, plans: Sequence[List[MicroBatchDraft]], samp
     at most ``knobs.search_samples`` samples)."""
     if samples <= ctx.knobs.search_samples:
         for drafts in plans:
-            exchange_between_microbatches(ctx, drafts)
+            improve_plan(ctx, drafts, Relocate)
 
 
 def search_chosen(ctx: Context, drafts: List[MicroBatchDraft], samples: int, bound: float) -> None:
     """On the chosen plan (batches of at most ``knobs.search_samples`` samples): polish each
     micro-batch, re-form pairs of micro-batches unless the plan is within ``knobs.good_plan`` of
-    the lower ``bound``, swap CP blocks, then relocate and swap again, breaking ties. The block
-    swaps are made on a copy, kept only when it ends shorter: the final relocate is greedy, and
-    from the swapped plan it can end longer than from the plan without them."""
+    the lower ``bound``, swap CP blocks, then relocate and swap again, breaking ties."""
     if samples > ctx.knobs.search_samples:
         return
     polish_plan(ctx, drafts)
     if draft_critical_path(ctx, drafts) > ctx.knobs.good_plan * bound:
-        reform_pairs(ctx, drafts)
+        improve_plan(ctx, drafts, ReformPair)
     relocate_with_block_swaps(ctx, drafts)
 
 
 def relocate_with_block_swaps(ctx: Context, drafts: List[MicroBatchDraft]) -> None:
     """Relocate and swap samples, breaking ties, on ``drafts`` and on a copy whose CP blocks were
-    swapped first; the copy replaces ``drafts`` when it ends shorter."""
+    swapped first; the copy replaces ``drafts`` when it ends shorter: the final relocate is
+    greedy, and from the swapped plan it can end longer than from the plan without the swaps."""
     swapped = [[copy_group(g) for g in draft] for draft in drafts]
-    swap_blocks(ctx, swapped)
-    exchange_between_microbatches(ctx, drafts, ties=True)
-    exchange_between_microbatches(ctx, swapped, ties=True)
+    improve_plan(ctx, swapped, BlockSwap)
+    improve_plan(ctx, drafts, TieBreak)
+    improve_plan(ctx, swapped, TieBreak)
     if draft_critical_path(ctx, swapped) < draft_critical_path(ctx, drafts):
         drafts[:] = swapped

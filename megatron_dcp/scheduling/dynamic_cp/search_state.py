@@ -1,7 +1,8 @@
 """The search state of ``default_dynamic_cp``: what construction, alignment and every move
 share (:class:`Context`: the domain, the cost model, the :class:`~.knobs.Knobs` and memoised
 per-rank costs) and the *micro-batch draft* (:data:`MicroBatchDraft`, the mutable groups of one
-micro-batch), with its peak and a plan's critical path."""
+micro-batch), with its peak, a plan's critical path, the order the moves across the plan visit
+micro-batches in and the acceptance rule of those moves."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def min_plan_gain(ctx: "Context", *peaks: float) -> float:
     """The acceptance rule of the moves across the plan: the least fall of Σ peaks a move must
     bring, ``knobs.min_gain`` of the larger peak of the micro-batches it touches."""
     return ctx.knobs.min_gain * max(peaks)
+
+
+def most_loaded_first(drafts: Sequence[MicroBatchDraft]) -> List[int]:
+    """The indices of ``drafts`` by falling peak (ties: the earlier micro-batch): the order the
+    moves across the plan visit micro-batches in."""
+    peaks = [peak(draft) for draft in drafts]
+    return sorted(range(len(drafts)), key=lambda i: (-peaks[i], i))
+
+
+def searchable(ctx: "Context", drafts: Sequence[MicroBatchDraft]) -> bool:
+    """True when sample moves across the plan search ``drafts``: plans of at most
+    ``knobs.search_microbatches`` micro-batches (such a search costs O(K²) for K of them)."""
+    return len(drafts) <= ctx.knobs.search_microbatches
 
 
 def draft_critical_path(ctx: "Context", drafts: Sequence[MicroBatchDraft]) -> float:

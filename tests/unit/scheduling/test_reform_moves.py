@@ -1,6 +1,7 @@
-"""Re-forming a pair (``dynamic_cp.moves.reform``: two micro-batches pooled and formed
-again): a hand-made case with a known answer, and properties over random plans (Σ peaks never
-grows, the micro-batch count and every sample stay, every micro-batch keeps the invariants)."""
+"""Re-forming a pair (``dynamic_cp.moves.reform``: two micro-batches pooled and formed again,
+driven by ``plan_search.improve_plan``): a hand-made case with a known answer, and properties over
+random plans (Σ peaks never grows, the micro-batch count and every sample stay, every
+micro-batch keeps the invariants)."""
 
 from collections import Counter
 
@@ -12,7 +13,8 @@ from megatron_dcp.scheduling import CostModel, Domain
 from megatron_dcp.scheduling.draft import Item, freeze_microbatch
 from megatron_dcp.scheduling.dynamic_cp.construction import formed_plan
 from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import heaviest_first
-from megatron_dcp.scheduling.dynamic_cp.moves.reform import reform_pairs
+from megatron_dcp.scheduling.dynamic_cp.moves.reform import ReformPair
+from megatron_dcp.scheduling.dynamic_cp.plan_search import improve_plan
 from megatron_dcp.scheduling.dynamic_cp.search_state import Context
 from megatron_dcp.scheduling.plan import Plan
 
@@ -30,7 +32,7 @@ def test_the_long_samples_of_two_mixed_microbatches_end_up_together():
     ctx = Context(Domain(2, 1, 100), QUADRATIC)
     drafts = rank_drafts(ctx, [[[90], [20]], [[90], [20]]])
     assert peaks(drafts) == 342
-    reform_pairs(ctx, drafts)
+    improve_plan(ctx, drafts, ReformPair)
     assert peaks(drafts) == 195
     lengths = sorted(sorted(i.seqlen for g in draft for i in g.items) for draft in drafts)
     assert lengths == [[20, 20], [90, 90]]
@@ -43,7 +45,7 @@ def test_a_pair_formed_again_slightly_worse_is_not_taken():
     drafts = rank_drafts(ctx, [[[79], [50, 32]], [[66], [69]]])
     before = [[i.sample_id for g in draft for i in g.items] for draft in drafts]
     assert round(peaks(drafts), 2) == 258.02
-    reform_pairs(ctx, drafts)
+    improve_plan(ctx, drafts, ReformPair)
     assert [[i.sample_id for g in draft for i in g.items] for draft in drafts] == before
 
 
@@ -59,7 +61,7 @@ def test_reforming_never_lengthens_the_plan_and_keeps_its_invariants(data, ring,
     items = [Item(i, n, domain.cp_degree(n)) for i, n in enumerate(case.seqlens)]
     drafts = formed_plan(ctx, heaviest_first(ctx, items))
     before, count = peaks(drafts), len(drafts)
-    reform_pairs(ctx, drafts)
+    improve_plan(ctx, drafts, ReformPair)
     assert peaks(drafts) <= before * (1 + 1e-9)
     assert len(drafts) == count
     ids = Counter(it.sample_id for draft in drafts for g in draft for it in g.items)

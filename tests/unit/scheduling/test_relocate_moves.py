@@ -1,6 +1,7 @@
-"""Relocate, swap and tie-break across micro-batches (``dynamic_cp.moves.relocate``) and the
-in-place VPP split: hand-made cases with known answers, and properties
-over random batches (the critical path never grows, the blocks and the samples stay)."""
+"""Relocate, swap and tie-break across micro-batches (``dynamic_cp.moves.relocate``, driven by
+``plan_search.improve_plan``) and the in-place VPP split: hand-made cases with known answers, and
+properties over random batches (the critical path never grows, the blocks and the samples
+stay)."""
 
 from collections import Counter
 
@@ -13,7 +14,8 @@ from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, group_of_items
 from megatron_dcp.scheduling.dynamic_cp.construction import formed_plan
 from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import heaviest_first
-from megatron_dcp.scheduling.dynamic_cp.moves.relocate import exchange_between_microbatches
+from megatron_dcp.scheduling.dynamic_cp.moves.relocate import Relocate, TieBreak
+from megatron_dcp.scheduling.dynamic_cp.plan_search import improve_plan
 from megatron_dcp.scheduling.dynamic_cp.search_state import Context, draft_critical_path
 from megatron_dcp.scheduling.dynamic_cp.vpp_alignment import split_in_place
 
@@ -29,7 +31,7 @@ def test_a_sample_moves_from_a_top_group_into_slack_of_another_micro_batch():
     ctx = Context(Domain(2, 1, 100), LINEAR)
     drafts = rank_drafts(ctx, [[[60, 30], [40]], [[40], [10]]])
     assert sum(peaks(drafts)) == 130
-    exchange_between_microbatches(ctx, drafts)
+    improve_plan(ctx, drafts, Relocate)
     assert sum(peaks(drafts)) == 100
 
 
@@ -37,7 +39,7 @@ def test_the_best_exchange_wins():
     """Moving 30 would give 60 + 50; swapping 60 with a 20 gives 100 (the optimum)."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
     drafts = rank_drafts(ctx, [[[60, 30], [40]], [[20], [20, 20]]])
-    exchange_between_microbatches(ctx, drafts)
+    improve_plan(ctx, drafts, Relocate)
     assert sum(peaks(drafts)) == 100
 
 
@@ -46,7 +48,7 @@ def test_a_lone_sample_is_swapped_with_a_shorter_one():
     30 trades places with the 50 (30 + 100)."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
     drafts = rank_drafts(ctx, [[[90], [10]], [[50], [50, 30]]])
-    exchange_between_microbatches(ctx, drafts)
+    improve_plan(ctx, drafts, Relocate)
     assert sum(peaks(drafts)) == 130
     assert [[it.seqlen for it in g.items] for g in drafts[0]] == [[30], [10]]
 
@@ -56,16 +58,16 @@ def test_a_top_group_tied_with_another_sheds_first_without_gain():
     other micro-batch's 10 + 10 stays under its 40); then the other 10 moves too (100 -> 90)."""
     ctx = Context(Domain(2, 1, 100), LINEAR)
     drafts = rank_drafts(ctx, [[[50, 10], [50, 10]], [[40], [10]]])
-    exchange_between_microbatches(ctx, drafts)
+    improve_plan(ctx, drafts, Relocate)
     assert peaks(drafts) == [60, 40]  # ties are broken only when asked
-    exchange_between_microbatches(ctx, drafts, ties=True)
+    improve_plan(ctx, drafts, TieBreak)
     assert peaks(drafts) == [50, 40]
 
 
 def test_no_exchange_when_the_receiving_group_has_no_room():
     ctx = Context(Domain(2, 1, 60), LINEAR)
     drafts = rank_drafts(ctx, [[[30, 30], [20]], [[30, 30], [60]]])
-    exchange_between_microbatches(ctx, drafts)
+    improve_plan(ctx, drafts, Relocate)
     assert peaks(drafts) == [60, 60]
 
 
@@ -76,7 +78,7 @@ def test_no_swap_past_the_token_budget():
     (draft,) = rank_drafts(ctx, [[[96], [10]]])
     pair = [Item(10, 150, 2), Item(11, 40, 1)]
     drafts = [draft, [group_of_items(Block(0, 2), pair, LINEAR)]]
-    exchange_between_microbatches(ctx, drafts)
+    improve_plan(ctx, drafts, Relocate)
     assert peaks(drafts) == [96, 75]
     assert all(g.tokens <= g.size * 100 for r in drafts for g in r)
 
@@ -98,7 +100,7 @@ def test_exchanges_never_lengthen_the_critical_path(data, ring, quadratic):
     before = draft_critical_path(ctx, drafts)
     layout = [row_signature(draft) for draft in drafts]
     held = [[group.tokens > 0 for group in draft] for draft in drafts]
-    exchange_between_microbatches(ctx, drafts)
+    improve_plan(ctx, drafts, Relocate)
     assert draft_critical_path(ctx, drafts) <= before * (1 + 1e-9)
     assert [row_signature(draft) for draft in drafts] == layout
     assert Counter(it.sample_id for r in drafts for g in r for it in g.items) == Counter(

@@ -1,5 +1,6 @@
 """Across the plan: **swap two CP blocks**, the samples of a micro-batch's top group traded for
-those of a group of the same size in another micro-batch, blocks kept.
+those of a group of the same size in another micro-batch, blocks kept (:class:`BlockSwap`, a move
+of the plan driver ``plan_search.improve_plan``).
 
 A group's load depends on its size only, so the two groups carry their loads across: the first
 micro-batch's peak falls to the larger of its other groups and the incoming load, the other's
@@ -10,40 +11,59 @@ micro-batch's peak, which the sample moves cannot arrange when each group's samp
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from functools import partial
+from typing import List, Optional
 
 from megatron_dcp.scheduling.draft import GroupDraft
+from megatron_dcp.scheduling.dynamic_cp.moves.transfer import PlanCandidate
 from megatron_dcp.scheduling.dynamic_cp.search_state import (
     Context,
     MicroBatchDraft,
     min_plan_gain,
+    most_loaded_first,
     peak,
 )
 
-# (gain, top group, the other micro-batch's index, its group)
-BlockSwap = Tuple[float, GroupDraft, int, GroupDraft]
 
+class BlockSwap:
+    """Block swaps as a move of the plan driver: at micro-batch ``index``, the swap that lowers Σ
+    peaks the most; one per micro-batch and pass, the micro-batches most-loaded first, at most
+    ``knobs.exchange_passes`` passes, on plans of any micro-batch count (a find costs at most
+    O(K · G²) for K micro-batches of G groups)."""
 
-def find_block_swap(ctx: Context, drafts: List[MicroBatchDraft], index: int) -> Optional[BlockSwap]:
-    """The swap of micro-batch ``index``'s top group with a group of its size elsewhere that
-    lowers Σ peaks the most, by more than :func:`~.search_state.min_plan_gain`; None if none."""
-    draft = drafts[index]
-    ordered = sorted(draft, key=lambda g: (g.load, g.block.start))
-    top, second = ordered[-1], (ordered[-2].load if len(ordered) > 1 else 0.0)
-    best: Optional[BlockSwap] = None
-    for other, partner_draft in enumerate(drafts):
-        if other == index:
-            continue
-        other_peak = peak(partner_draft)
-        floor = min_plan_gain(ctx, top.load, other_peak)
-        for group in partner_draft:
-            if group.size != top.size or group.load >= top.load:
+    steps = 1
+    restart = False
+
+    def __init__(self, ctx: Context, drafts: List[MicroBatchDraft]) -> None:
+        self.ctx, self.drafts = ctx, drafts
+        self.passes = ctx.knobs.exchange_passes
+
+    def order(self) -> List[int]:
+        """Most-loaded first."""
+        return most_loaded_first(self.drafts)
+
+    def find(self, index: int) -> Optional[PlanCandidate]:
+        """The swap of micro-batch ``index``'s top group with a group of its size elsewhere that
+        lowers Σ peaks the most, by more than :func:`~.search_state.min_plan_gain` of the two
+        peaks; None if none does."""
+        drafts, ctx = self.drafts, self.ctx
+        ordered = sorted(drafts[index], key=lambda g: (g.load, g.block.start))
+        top, second = ordered[-1], (ordered[-2].load if len(ordered) > 1 else 0.0)
+        best: Optional[PlanCandidate] = None
+        for other, partner_draft in enumerate(drafts):
+            if other == index:
                 continue
-            rest = max((g.load for g in partner_draft if g is not group), default=0.0)
-            gain = top.load - max(second, group.load) - (max(rest, top.load) - other_peak)
-            if gain > floor and (best is None or gain > best[0]):
-                best = (gain, top, other, group)
-    return best
+            other_peak = peak(partner_draft)
+            floor = min_plan_gain(ctx, top.load, other_peak)
+            for group in partner_draft:
+                if group.size != top.size or group.load >= top.load:
+                    continue
+                rest = max((g.load for g in partner_draft if g is not group), default=0.0)
+                gain = top.load - max(second, group.load) - (max(rest, top.load) - other_peak)
+                if gain > floor and (best is None or gain > best.gain):
+                    swap = partial(swap_contents, top, group)
+                    best = PlanCandidate(gain, (top.load, other_peak), swap)
+        return best
 
 
 def swap_contents(first: GroupDraft, second: GroupDraft) -> None:
@@ -51,17 +71,3 @@ def swap_contents(first: GroupDraft, second: GroupDraft) -> None:
     first.items, second.items = second.items, first.items
     first.load, second.load = second.load, first.load
     first.tokens, second.tokens = second.tokens, first.tokens
-
-
-def swap_blocks(ctx: Context, drafts: List[MicroBatchDraft]) -> None:
-    """Passes over the micro-batches, most-loaded first, each making its best block swap while
-    one pays; at most ``knobs.exchange_passes`` passes."""
-    for _ in range(ctx.knobs.exchange_passes):
-        swapped = False
-        for index in sorted(range(len(drafts)), key=lambda i: (-peak(drafts[i]), i)):
-            found = find_block_swap(ctx, drafts, index)
-            if found is not None:
-                swap_contents(found[1], found[3])
-                swapped = True
-        if not swapped:
-            return

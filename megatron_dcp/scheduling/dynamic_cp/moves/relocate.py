@@ -1,44 +1,47 @@
 """Across the plan: **relocate** and **swap** samples between micro-batches while that shortens
-the critical path (``exchange_between_microbatches``), and **tie-break**.
+the critical path (:class:`Relocate`), and **tie-break** (:class:`TieBreak`): moves of the plan
+driver (``plan_search.improve_plan``).
 
 Construction and the search inside a micro-batch balance each micro-batch on its own; what one
 micro-batch cannot fix (the last ones, made of what the others left over, are often heavier or
 lighter than the rest) an exchange with another can. The critical path is Σ over micro-batches of
 the peak (the most-loaded group), so a sample of a micro-batch's *top group* is worth moving when
 the peak falls by more than the receiving micro-batch's peak grows, the receiving group taking it
-within
-its token budget and minimum CP size. Two exchanges are tried, best gain first:
+within its token budget and minimum CP size. Two exchanges are tried, best gain first:
 
 - a **move** of a sample from the top group to another micro-batch's group;
 - a **swap** of that sample with a lighter one of another micro-batch's group, which also
   relieves a top group of a single sample, or where no group has room for a move.
 
 When the top group ties with another group of its micro-batch, no single exchange lowers the
-peak; with ``ties`` (the last search, on the chosen plan) the exchange of one of its
-``knobs.tie_items`` longest samples that lowers it most while no peak grows is made then (a *tie
-break*), and the next search can lower the other.
+peak; the tie-break (the last search, on the chosen plan) makes then the exchange of one of its
+``knobs.tie_items`` longest samples that lowers it most while no peak grows, and the next search
+can lower the other.
 
 The micro-batch count, the groups and their blocks never change (VPP alignment and the idle-rank
-rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by at
-least ``knobs.min_gain`` of a peak or, breaking a tie, keeps every peak and lowers a top group by
-that much; the passes are bounded. A pass visits the micro-batches most-loaded first, each making at
-most ``knobs.exchange_steps`` exchanges; at most ``knobs.exchange_passes`` passes, on plans of at
-most ``knobs.search_microbatches`` micro-batches. A receiving
-micro-batch offers, per CP size, its least-loaded groups (``knobs.swap_groups`` of them for swaps):
-one exchange search costs O(K · S · s) for K micro-batches, S group sizes and the s samples of
-a top group examined (at most ``knobs.exchange_items``).
+rule hold), no group is left without a non-empty sample, and each exchange shortens Σ peaks by
+more than ``knobs.min_gain`` of the peak it lowers or, breaking a tie, keeps every peak and lowers
+a top group by that much. The driver visits the micro-batches most-loaded first, each making at
+most ``knobs.exchange_steps`` exchanges per pass; at most ``knobs.exchange_passes`` passes, on
+plans of at most ``knobs.search_microbatches`` micro-batches. A receiving micro-batch offers, per
+CP size, its least-loaded groups (``knobs.swap_groups`` of them for swaps): one exchange search
+costs O(K · S · s) for K micro-batches, S group sizes and the s samples of a top group examined
+(at most ``knobs.exchange_items``).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
-from megatron_dcp.scheduling.dynamic_cp.moves.transfer import spread, transfer
+from megatron_dcp.scheduling.dynamic_cp.moves.transfer import PlanCandidate, spread, transfer
 from megatron_dcp.scheduling.dynamic_cp.search_state import (
     Context,
     MicroBatchDraft,
     min_plan_gain,
+    most_loaded_first,
+    searchable,
 )
 
 # (gain, sample of the top group, receiving micro-batch's index, receiving group, its sample
@@ -72,28 +75,51 @@ class DraftView:
         return found
 
 
-def exchange_between_microbatches(
-    ctx: Context, drafts: List[MicroBatchDraft], ties: bool = False
-) -> None:
-    """Passes over the micro-batches, most-loaded first, each applying its best exchange while
-    one shortens the critical path (at most ``knobs.exchange_steps`` per micro-batch and pass, at
-    most ``knobs.exchange_passes`` passes, ending after a pass without one); plans of more than
-    ``knobs.search_microbatches`` micro-batches are left alone."""
-    if not 2 <= len(drafts) <= ctx.knobs.search_microbatches:
-        return
-    views = [DraftView(draft) for draft in drafts]
-    for _ in range(ctx.knobs.exchange_passes):
-        before = sum(view.peak for view in views)
-        for index in sorted(range(len(drafts)), key=lambda i: (-views[i].peak, i)):
-            for _ in range(ctx.knobs.exchange_steps):
-                found = best_exchange(ctx, views, index, ties)
-                if found is None:
-                    break
-                _, item, other, group, back = found
-                transfer(ctx, views[index].top, item, group, back)
-                views[index], views[other] = DraftView(drafts[index]), DraftView(drafts[other])
-        if sum(view.peak for view in views) >= before:
-            return  # a pass that only broke ties ends the search
+class Relocate:
+    """Relocate and swap as a move of the plan driver (``plan_search.improve_plan``): at
+    micro-batch ``index``, its best exchange (:func:`best_exchange`); at most
+    ``knobs.exchange_steps`` per micro-batch and pass, ``knobs.exchange_passes`` passes, the
+    micro-batches most-loaded first; plans of more than ``knobs.search_microbatches``
+    micro-batches get no pass. The views of the two micro-batches an exchange touches are made
+    again after it, the others' kept."""
+
+    ties = False  # break ties (:class:`TieBreak`)
+    restart = False
+
+    def __init__(self, ctx: Context, drafts: List[MicroBatchDraft]) -> None:
+        self.ctx, self.drafts = ctx, drafts
+        self.views = [DraftView(draft) for draft in drafts]
+        self.passes = ctx.knobs.exchange_passes if searchable(ctx, drafts) else 0
+        self.steps = ctx.knobs.exchange_steps
+
+    def order(self) -> List[int]:
+        """Most-loaded first."""
+        return most_loaded_first(self.drafts)
+
+    def find(self, index: int) -> Optional[PlanCandidate]:
+        """Micro-batch ``index``'s best exchange, weighed against its peak."""
+        found = best_exchange(self.ctx, self.views, index, self.ties)
+        if found is None:
+            return None
+        gain, item, other, group, back = found
+        exchange = partial(self.exchange, index, item, other, group, back)
+        return PlanCandidate(gain, (self.views[index].peak,), exchange)
+
+    def exchange(
+        self, index: int, item: Item, other: int, group: GroupDraft, back: Optional[Item]
+    ) -> None:
+        """Send ``item`` from micro-batch ``index``'s top group to ``group`` of micro-batch
+        ``other`` (with ``back`` in return: a swap)."""
+        transfer(self.ctx, self.views[index].top, item, group, back)
+        self.views[index] = DraftView(self.drafts[index])
+        self.views[other] = DraftView(self.drafts[other])
+
+
+class TieBreak(Relocate):
+    """Relocate and swap, and where a top group ties with another, the tie-break (the last
+    search, on the chosen plan)."""
+
+    ties = True
 
 
 def best_exchange(

@@ -1,12 +1,13 @@
 """What the moves share: how a sample changes groups (:func:`transfer`, a move or, with a sample
 sent back, a swap), how samples are dealt to groups (:func:`deal`), which samples and partner
-groups a move examines (:func:`spread`, :func:`lightest`) and the inside-scope candidate
-(:class:`Candidate`)."""
+groups a move examines (:func:`spread`, :func:`lightest`) and the candidates the two drivers
+accept or refuse (:class:`Candidate` inside a micro-batch, :class:`PlanCandidate` across the
+plan)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
 from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
@@ -21,6 +22,18 @@ class Candidate:
     peak: float
     apply: Callable[[], None]
     resizes: bool = False  # group sizes change: the micro-batch is laid out again afterwards
+
+
+@dataclass(frozen=True)
+class PlanCandidate:
+    """A move found across the plan: how much it lowers Σ peaks (``gain``; a tie-break: how much
+    it lowers the tied top group, no peak growing), the peaks the acceptance rule weighs it
+    against (``peaks``) and how to make it (``apply``). The driver makes it when ``gain`` exceeds
+    :func:`~.search_state.min_plan_gain` of ``peaks``."""
+
+    gain: float
+    peaks: Tuple[float, ...]
+    apply: Callable[[], None]
 
 
 def transfer(
