@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import Item
 
@@ -25,12 +25,17 @@ def lpt_partition(
     bins: List[List[Item]] = [[] for _ in range(num_bins)]
     tokens = [0] * num_bins
     heap = [(0.0, 0, index) for index in range(num_bins)]
-    order = items if ordered else sorted(items, key=lambda it: (-weight(it), it.sample_id))
-    for item, item_weight in zip(order, map(weight, order)):
+    weights: Iterable[float]
+    if ordered:
+        order, weights = items, map(weight, items)
+    else:
+        order, weights = heaviest_first(items, weight)
+    heapreplace = heapq.heapreplace  # the hot loop of static CP at N = 4,096: 65,536 items
+    for item, item_weight in zip(order, weights):
         seqlen = item.seqlen
         if heap and tokens[heap[0][2]] + seqlen <= capacity:  # the least-loaded bin has room
             load, count, index = heap[0]
-            heapq.heapreplace(heap, (load + item_weight, count + 1, index))
+            heapreplace(heap, (load + item_weight, count + 1, index))
         else:
             entry = _pop_with_room(heap, tokens, seqlen, capacity)
             if entry is None:
@@ -40,6 +45,19 @@ def lpt_partition(
         bins[index].append(item)
         tokens[index] += seqlen
     return bins
+
+
+def heaviest_first(
+    items: Sequence[Item], weight: Callable[[Item], float]
+) -> Tuple[List[Item], List[float]]:
+    """``items`` by decreasing weight, then id, and their weights: each weight computed once,
+    two stable sorts keyed by C-level lookups (by id, then by weight reversed, which keeps ties
+    in id order) instead of a tuple key per item (the hot path of static CP at N = 4,096)."""
+    weights = list(map(weight, items))
+    ids = [item.sample_id for item in items]
+    ranked = sorted(range(len(items)), key=ids.__getitem__)
+    ranked.sort(key=weights.__getitem__, reverse=True)
+    return [items[i] for i in ranked], [weights[i] for i in ranked]
 
 
 def _pop_with_room(heap: list, tokens: List[int], seqlen: int, capacity: int) -> Optional[tuple]:

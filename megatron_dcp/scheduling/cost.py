@@ -148,6 +148,20 @@ class CostModel:
         return sum(self.per_rank(n, cp_size) for n in lengths) + self.ring_cost(cp_size)
 
 
+class SizeCosts(dict):
+    """Per-rank costs (:meth:`CostModel.per_rank`) on CP groups of one size keyed by length,
+    computed on first use: the hot path of planning and pricing, one table per size looked up
+    by an int (a batch repeats lengths; the values are the cost model's own, bit for bit)."""
+
+    def __init__(self, cost: CostModel, size: int) -> None:
+        super().__init__()
+        self.cost, self.size = cost, size
+
+    def __missing__(self, seqlen: int) -> float:
+        value = self[seqlen] = self.cost.per_rank(seqlen, self.size)
+        return value
+
+
 def spilled_elements(seqlen: int, cp_size: int, cached: float) -> float:
     """Elements of one sequence's ``L/c × L`` score block on one rank beyond the ``cached`` ones."""
     return max(0.0, seqlen * seqlen / cp_size - cached)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import List, Optional, Sequence
 
 from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partition
 from megatron_dcp.scheduling.domain import Block, least_budget
-from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
+from megatron_dcp.scheduling.cost import SizeCosts
+from megatron_dcp.scheduling.draft import SAMPLE_ID, Item, longest_first
 from megatron_dcp.scheduling.errors import SchedulingError
-from megatron_dcp.scheduling.plan import MicroBatch
+from megatron_dcp.scheduling.plan import CPGroup, MicroBatch
 from megatron_dcp.scheduling.registry import Scheduler
 
 
@@ -28,7 +30,10 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
 
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         dp, cp = self.domain.dp_size, self.domain.cp_size
-        items = [Item(i, seqlen, cp) for i, seqlen in enumerate(seqlens)]
+        # Every sample's cost on its CP group, memoised by length (a batch repeats lengths) for
+        # this plan: the cost model may be replaced between plans (online refinement).
+        self._costs = SizeCosts(self.cost_model, cp)
+        items = list(map(Item, range(len(seqlens)), seqlens, repeat(cp)))
         self._check_fits(items)
         capacity = cp * self.domain.budget
         count = align_microbatch_count(-(-sum(seqlens) // (capacity * dp)), self._vpp)
@@ -52,7 +57,7 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
         return self.microbatch_group_size_per_vp_stage
 
     def _weight(self, item: Item) -> float:
-        return self.cost_model.per_rank(item.seqlen, self.domain.cp_size)
+        return self._costs[item.seqlen]
 
     def _check_fits(self, items: Sequence[Item]) -> None:
         """Every sample fits static CP; otherwise the error names the longest and the budget
@@ -72,10 +77,13 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
                 least=least_budget(longest.seqlen, self.domain.cp_size),
             )
 
-    def _microbatch(self, bins: Sequence[Sequence[Item]]) -> MicroBatch:
+    def _microbatch(self, bins: Sequence[List[Item]]) -> MicroBatch:
+        """The micro-batch of ``bins`` (one per DP rank, in rank order), frozen as
+        ``freeze_microbatch`` freezes groups (samples longest first, then by id) without pricing
+        them: a frozen plan holds no loads."""
         cp = self.domain.cp_size
         groups = [
-            group_of_items(Block(d * cp, cp), items, self.cost_model)
+            CPGroup(Block(d * cp, cp).positions, tuple(map(SAMPLE_ID, longest_first(items))))
             for d, items in enumerate(bins)
         ]
-        return freeze_microbatch(groups)
+        return MicroBatch(tuple(groups))

@@ -28,6 +28,9 @@
 
 - every micro-batch's most-loaded rank carries at least the micro-batch's mean load.
 
+``static_cp_lower_bound`` bounds the static-CP plan (``dp_balanced``) alone, every sample on a
+group of exactly ``cp_size`` ranks: what lets DCP skip building that plan where it cannot win.
+
 No plan that keeps the invariants of ``Plan.validate`` has a shorter critical path
 (``tests/unit/scheduling/test_lower_bound.py`` checks every inequality above, and the property tests check
 the bound against every scheduler's plans under random coefficients).
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.cost import CostModel, SizeCosts
 from megatron_dcp.scheduling.domain import Domain
 
 # A share f(L) = base + rate · L per CP size (the minimum CP size of the sample).
@@ -51,15 +54,46 @@ def batch_lower_bound(
     if not seqlens:
         return 0.0
     shares = ring_shares(domain, cost)
+    terms: Dict[int, Tuple[float, float]] = {}  # by length: (W_i, share); a batch repeats lengths
     work = shared = 0.0
     for seqlen in seqlens:
-        size = domain.cp_degree(seqlen)
-        base, rate = shares[size]
-        work += least_work(cost, seqlen, size, domain.group_sizes)
-        shared += base + rate * seqlen
+        if seqlen not in terms:
+            size = domain.cp_degree(seqlen)
+            base, rate = shares[size]
+            terms[seqlen] = (
+                least_work(cost, seqlen, size, domain.group_sizes),
+                base + rate * seqlen,
+            )
+        least, share = terms[seqlen]
+        work += least
+        shared += share
     count = fewest_microbatches(seqlens, domain, vpp)
     ring = max(shared, coverage_ring(len(seqlens), count, domain.size, cost))
     return (work + ring) / domain.size + cost.microbatch * count
+
+
+def static_cp_lower_bound(
+    seqlens: Sequence[int], domain: Domain, cost: CostModel, vpp: Optional[int] = None
+) -> float:
+    """No static-CP plan of ``seqlens`` (``dp_balanced``: every sample on one of the ``dp_size``
+    groups of exactly ``c = cp_size`` ranks) has a shorter critical path than
+    ``Σ_i per_rank(L_i, c) / dp + K · (ring_cost(c) + microbatch)``, K the fewest micro-batches.
+
+    Proof: ``dp_balanced`` tries micro-batch counts from K up (:func:`fewest_microbatches`: its
+    bins of c·budget tokens, dp per micro-batch, hold N·budget tokens, its count is a multiple
+    of ``vpp``, and a count of 0 holds no sample) and returns a plan only when every one of its dp groups holds a sample, so each
+    of its K' ≥ K micro-batches has dp groups that each pay ``ring_cost(c)``. The most-loaded
+    rank of a micro-batch carries at least the mean of its dp groups' per-rank loads,
+    ``Σ_{i in it} per_rank(L_i, c) / dp + ring_cost(c)``; summed over micro-batches with their
+    fixed costs, the critical path is ≥ ``Σ_i per_rank(L_i, c) / dp + K' · (ring_cost(c) +
+    microbatch)``, and costs are ≥ 0, so K' ≥ K keeps it above the bound.
+    (``tests/unit/scheduling/test_static_shortcut.py`` checks it against ``dp_balanced``.)"""
+    if not seqlens:
+        return 0.0
+    costs = SizeCosts(cost, domain.cp_size)
+    work = sum(costs[seqlen] for seqlen in seqlens) / domain.dp_size
+    fixed = cost.ring_cost(domain.cp_size) + cost.microbatch
+    return work + fewest_microbatches(seqlens, domain, vpp) * fixed
 
 
 def least_work(cost: CostModel, seqlen: int, size: int, sizes: Sequence[int]) -> float:

@@ -4,11 +4,11 @@ its lower bound, and the load imbalance of a micro-batch."""
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
-from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.cost import CostModel, SizeCosts
 from megatron_dcp.scheduling.lower_bound import batch_lower_bound
-from megatron_dcp.scheduling.plan import MicroBatch, Plan
+from megatron_dcp.scheduling.plan import CPGroup, MicroBatch, Plan
 
 
 def rank_loads(plan: Plan, microbatch: MicroBatch, cost: CostModel) -> List[float]:
@@ -31,8 +31,24 @@ def rank_tokens(plan: Plan, microbatch: MicroBatch) -> List[float]:
 
 
 def critical_path(plan: Plan, cost: CostModel) -> float:
-    """Σ over micro-batches of the most-loaded rank's cost, plus every micro-batch's fixed cost."""
-    loads = sum(max(rank_loads(plan, mb, cost)) for mb in plan.microbatches)
+    """Σ over micro-batches of the most-loaded rank's cost, plus every micro-batch's fixed cost.
+    A rank's cost is its group's (:func:`rank_loads`, ``CostModel.group_cost``), summed in the
+    same order from per-rank costs memoised by length (:class:`SizeCosts`): the same value, bit
+    for bit, without a list of N loads per micro-batch (the planner prices plans of N = 4,096)."""
+    tables: Dict[int, SizeCosts] = {}
+    seqlens = plan.seqlens
+
+    def group_load(group: CPGroup) -> float:
+        if not group.sample_ids:
+            return 0.0
+        size = group.size
+        if size not in tables:
+            tables[size] = SizeCosts(cost, size)
+        table = tables[size]
+        return sum(table[seqlens[i]] for i in group.sample_ids) + cost.ring_cost(size)
+
+    # Loads are ≥ 0: ranks no group covers (none in a valid plan) change no maximum.
+    loads = sum(max(map(group_load, mb.groups), default=0.0) for mb in plan.microbatches)
     return loads + cost.microbatch * plan.num_microbatches
 
 

@@ -20,6 +20,10 @@ class Knobs:
     # --- Float comparisons --------------------------------------------------------------
     # Relative slack of float comparisons of loads (a move must lower a load by more).
     eps: float = 1e-9
+    # Relative margin by which static CP's lower bound must exceed DCP's path for the static
+    # plan to be skipped: far above the rounding of sums of 10⁵ costs (~10⁻¹¹), far below a
+    # real gap.
+    static_bound_slack: float = 1e-9
 
     # --- Construction: which micro-batches the samples form -----------------------------
     # A sample is heavy (opens a micro-batch of its own level) when it costs more per rank

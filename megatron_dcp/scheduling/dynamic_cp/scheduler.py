@@ -42,7 +42,7 @@ from megatron_dcp.scheduling.dynamic_cp.search_state import (
 )
 from megatron_dcp.scheduling.dynamic_cp.vpp_alignment import align_to_vpp
 from megatron_dcp.scheduling.errors import SchedulingError
-from megatron_dcp.scheduling.lower_bound import batch_lower_bound
+from megatron_dcp.scheduling.lower_bound import batch_lower_bound, static_cp_lower_bound
 from megatron_dcp.scheduling.metrics import critical_path
 from megatron_dcp.scheduling.plan import MicroBatch, Plan
 from megatron_dcp.scheduling.registry import Scheduler
@@ -67,11 +67,23 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
             blind = Context(self.domain, self.cost_model.with_nodes(None), ctx.knobs)
             other = repriced(ctx, searched_plan(blind, items, vpp))
             best = min((best, other), key=lambda drafts: draft_critical_path(ctx, drafts))
-        planned = [freeze_microbatch(draft) for draft in best]
-        static = self.static_plan(seqlens)
-        if static is not None and critical_path(static, self.cost_model) < self.path(
-            seqlens, planned
+        return self.against_static(seqlens, [freeze_microbatch(draft) for draft in best])
+
+    def against_static(self, seqlens: tuple, planned: List[MicroBatch]) -> List[MicroBatch]:
+        """``planned``, or the static-CP plan of the same lengths where that has a shorter
+        critical path under this cost model. The static plan is built only where it can be
+        shorter: where its lower bound (``static_cp_lower_bound``) is above ``planned``'s path
+        (by ``knobs.static_bound_slack``, the rounding of the two sums), it cannot be, and the
+        same plan is returned without the cost of ``dp_balanced`` (a quarter of the plan time
+        at N = 4,096; the bound is one pass over the lengths)."""
+        path = self.path(seqlens, planned)
+        vpp = self.microbatch_group_size_per_vp_stage
+        if static_cp_lower_bound(seqlens, self.domain, self.cost_model, vpp) > path * (
+            1 + self.knobs.static_bound_slack
         ):
+            return planned
+        static = self.static_plan(seqlens)
+        if static is not None and critical_path(static, self.cost_model) < path:
             return list(static.microbatches)
         return planned
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator
-from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.cost import CostModel, SizeCosts
 from megatron_dcp.scheduling.domain import Block, Domain
 from megatron_dcp.scheduling.draft import GroupDraft, Item
 from megatron_dcp.scheduling.dynamic_cp.knobs import DEFAULT_KNOBS, Knobs
@@ -45,19 +45,6 @@ def searchable(ctx: "Context", drafts: Sequence[MicroBatchDraft]) -> bool:
 def draft_critical_path(ctx: "Context", drafts: Sequence[MicroBatchDraft]) -> float:
     """Σ over micro-batches of the most-loaded group's per-rank cost and the fixed cost."""
     return sum(map(peak, drafts)) + ctx.cost.microbatch * len(drafts)
-
-
-class SizeCosts(dict):
-    """Per-rank costs on CP groups of one size keyed by length, computed on first use (the hot
-    path: one table per size, looked up by an int)."""
-
-    def __init__(self, cost: CostModel, size: int) -> None:
-        super().__init__()
-        self.cost, self.size = cost, size
-
-    def __missing__(self, seqlen: int) -> float:
-        value = self[seqlen] = self.cost.per_rank(seqlen, self.size)
-        return value
 
 
 class WorkTable(dict):
