@@ -1,6 +1,8 @@
 """Unit tests of the scheduler front door: bad input raises ValueErrors that name the parameter,
 and the registry builds, registers and guards schedulers. Pure Python, no hypothesis."""
 
+import gc
+
 import pytest
 
 from megatron_dcp.scheduling import (
@@ -152,3 +154,40 @@ def test_unknown_scheduler_names_the_parameter_and_the_choices():
     with pytest.raises(ValueError, match="scheduler='nope'") as info:
         build_scheduler("nope", dp_size=1, cp_size=1, max_seqlen_per_dp_cp_rank=8)
     assert "default_dynamic_cp" in str(info.value) and "dp_balanced" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# The garbage collector while a plan is made
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("fail", [False, True])
+def test_collector_paused_while_planning_and_restored(registered_names, enabled, fail):
+    """Planning runs with the cyclic collector off and leaves it as it found it (on, or off as
+    megatron's --manual-gc leaves it), also when planning raises."""
+    registered_names.append("test_collector_probe")
+    seen = []
+
+    class CollectorProbe(Scheduler, name="test_collector_probe"):
+        def _schedule(self, seqlens):
+            seen.append(gc.isenabled())
+            if fail:
+                raise RuntimeError("planning failed")
+            whole = tuple(range(self.domain.size))
+            return [MicroBatch((CPGroup(whole, (i,)),)) for i in range(len(seqlens))]
+
+    probe = build_scheduler(
+        "test_collector_probe", dp_size=2, cp_size=1, max_seqlen_per_dp_cp_rank=8
+    )
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        if fail:
+            with pytest.raises(RuntimeError, match="planning failed"):
+                probe.schedule([4, 4])
+        else:
+            probe.schedule([4, 4])
+        assert seen == [False] and gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
