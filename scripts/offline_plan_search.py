@@ -22,7 +22,7 @@ recomputed with ``metrics.critical_path``.
 
 Usage::
 
-    PYTHONPATH=. python scripts/offline_plan_search.py            # the 13 reference cases
+    PYTHONPATH=. nice python scripts/offline_plan_search.py --details  # 13 cases, ~8 min
     PYTHONPATH=. python scripts/offline_plan_search.py --case rl-rollouts:2048:4:model --iters 50000
 """
 
@@ -65,6 +65,8 @@ MOVE_WEIGHTS = (
     ("remove_mbs", 1),
     ("add_mbs", 1),
 )
+
+REMOVE_COOLDOWN = 20
 
 
 # ----------------------------------------------------------------------------- case building
@@ -139,6 +141,7 @@ class State:
         self.cdeg = [dom.cp_degree(L) for L in self.lengths]
         self.per_rank = [{s: cost.per_rank(L, s) for s in dom.group_sizes} for L in self.lengths]
         self.ring = {s: cost.ring_cost(s) for s in dom.group_sizes}
+        self.remove_cooldown = 0
         self.loc: List[Optional[Group]] = [None] * len(self.lengths)
         self.mbs: List[MB] = []
         for microbatch in plan.microbatches:
@@ -411,6 +414,8 @@ def _insert_greedily(st: State, ids: List[int], mbs: Sequence[MB]):
     """Insert samples (longest first) each into the group of ``mbs`` that raises its
     micro-batch's peak least (then the cheapest); return the (group, old ids) changes, or None
     (after undoing them) when a sample fits nowhere."""
+    if not _may_fit(st, ids, mbs):
+        return None
     changes: List[Tuple[Group, List[int]]] = []
     for i in sorted(ids, key=lambda i: -st.lengths[i]):
         best, best_key = None, None
@@ -430,6 +435,30 @@ def _insert_greedily(st: State, ids: List[int], mbs: Sequence[MB]):
     return changes
 
 
+def _may_fit(st: State, ids: List[int], mbs: Sequence[MB]) -> bool:
+    """A quick necessary test for :func:`_insert_greedily`: for every size c, the samples whose
+    minimum CP size is ≥ c fit the free tokens of the groups of ``mbs`` of size ≥ c, and each
+    sample alone fits the free tokens of one such group."""
+    room: Dict[int, float] = {}
+    free: Counter = Counter()
+    for mb in mbs:
+        for g in mb.groups.values():
+            left = g.size * st.budget - g.tokens
+            room[g.size] = max(room.get(g.size, 0), left)
+            free[g.size] += left
+    need: Counter = Counter()
+    for i in ids:
+        need[st.cdeg[i]] += st.lengths[i]
+        if not any(left >= st.lengths[i] for size, left in room.items() if size >= st.cdeg[i]):
+            return False
+    have = wanted = 0
+    for size in reversed(st.dom.group_sizes):
+        have, wanted = have + free[size], wanted + need[size]
+        if wanted > have:
+            return False
+    return True
+
+
 def _undo_changes(st: State, changes: List[Tuple[Group, List[int]]]) -> None:
     """Restore the groups :func:`_insert_greedily` changed (latest first)."""
     for g, old in reversed(changes):
@@ -438,7 +467,11 @@ def _undo_changes(st: State, changes: List[Tuple[Group, List[int]]]) -> None:
 
 
 def move_remove_mbs(st: State, rng: random.Random):
-    """Remove VPP micro-batches; their samples go greedily into the others' groups."""
+    """Remove VPP micro-batches; their samples go greedily into the others' groups (after a
+    failed try, the next ``REMOVE_COOLDOWN`` draws of this move are skipped: tries are dear)."""
+    if st.remove_cooldown > 0:
+        st.remove_cooldown -= 1
+        return None
     k = st.vpp
     if len(st.mbs) <= k:
         return None
@@ -454,6 +487,7 @@ def move_remove_mbs(st: State, rng: random.Random):
     changes = _insert_greedily(st, ids, st.mbs)
     if changes is None:
         _restore_mbs(st, picked, removed)
+        st.remove_cooldown = REMOVE_COOLDOWN
         return None
 
     def undo():
@@ -630,9 +664,9 @@ def run_case(text: str, args) -> Dict[str, object]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", action="append", help="workload:budget:vpp:cost (repeatable)")
-    parser.add_argument("--iters", type=int, default=60000, help="moves drawn per case")
+    parser.add_argument("--iters", type=int, default=5_000_000, help="moves drawn per case")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--t0", type=float, default=3e-3, help="start temperature / (LB / K0)")
+    parser.add_argument("--t0", type=float, default=1e-4, help="start temperature / (LB / K0)")
     parser.add_argument("--t1", type=float, default=1e-6, help="end temperature / (LB / K0)")
     parser.add_argument("--restarts", type=int, default=2, help="anneals from the best so far")
     parser.add_argument("--details", action="store_true", help="stats of both plans per case")
