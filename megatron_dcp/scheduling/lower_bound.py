@@ -1,6 +1,6 @@
 """The lower bound of a plan's critical path, from the lengths alone.
 
-``batch_lower_bound(seqlens, domain, cost, vpp) = (Σ_i W_i + R) / N + K · microbatch``:
+``batch_lower_bound(seqlens, domain, cost, vpp) = (Σ_i W_i + R + I) / N + K · microbatch``:
 
 - ``W_i = min_{c ≥ c_i} c · per_rank(L_i, c)``, sample i's least cost summed over its ranks
   on any CP size it may take. Without score spill that is its minimum CP size ``c_i``: a
@@ -26,7 +26,12 @@
     ``ring_step · N · K · (N·K/n − 1)`` for n samples. It bites when there are few samples
     per rank (long sequences, or micro-batches VPP adds).
 
-- every micro-batch's most-loaded rank carries at least the micro-batch's mean load.
+- ``I``, the idle time of an odd half-domain sample (:func:`unpaired_half_idle`): a sample whose
+  minimum CP size is N/2 takes half the domain; where no other such sample takes the other half
+  of its micro-batch, that half holds only groups of shorter samples, whose per-rank cost the
+  token budget caps below the sample's (or it takes the whole domain and pays its CP overhead).
+- every micro-batch's most-loaded rank carries at least the micro-batch's mean load: the work,
+  the ring steps and the idle time of its ranks over N.
 
 ``static_cp_lower_bound`` bounds the static-CP plan (``dp_balanced``) alone, every sample on a
 group of exactly ``cp_size`` ranks: what lets DCP skip building that plan where it cannot win.
@@ -38,10 +43,11 @@ the bound against every scheduler's plans under random coefficients).
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel, SizeCosts
-from megatron_dcp.scheduling.domain import Domain
+from megatron_dcp.scheduling.domain import Domain, is_power_of_two
 
 # A share f(L) = base + rate · L per CP size (the minimum CP size of the sample).
 Share = Tuple[float, float]
@@ -69,7 +75,8 @@ def batch_lower_bound(
         shared += share
     count = fewest_microbatches(seqlens, domain, vpp)
     ring = max(shared, coverage_ring(len(seqlens), count, domain.size, cost))
-    return (work + ring) / domain.size + cost.microbatch * count
+    idle = unpaired_half_idle(seqlens, domain, cost)
+    return (work + ring + idle) / domain.size + cost.microbatch * count
 
 
 def static_cp_lower_bound(
@@ -119,6 +126,81 @@ def coverage_ring(samples: int, microbatches: int, ranks: int, cost: CostModel) 
         return 0.0
     spread = ranks * microbatches / samples - 1.0
     return cost.ring_step * ranks * microbatches * max(spread, 0.0)
+
+
+def unpaired_half_idle(seqlens: Sequence[int], domain: Domain, cost: CostModel) -> float:
+    """Least idle time (or CP overhead) summed over ranks that an odd count of *half-domain*
+    samples (:func:`is_half_domain`: minimum CP size N/2, N a power of two, more than N/4 ·
+    budget tokens, so that two never share a group of N/2 ranks) forces on every plan; 0 for an
+    even count.
+
+    Where can a half-domain sample s go? (a) Onto a group of N ranks: it pays
+    ``X_s = N · per_rank(L_s, N) − W_s`` more than its least work ``W_s``. (b) Onto one aligned
+    half, the other half holding another half-domain sample: nothing is charged. (c) Onto one
+    half, the other holding only groups of shorter samples (c ≤ N/2 ranks each): per-rank cost
+    ``per_rank(L, c)`` is convex in L and 0 at L = 0, so ``per_rank / L`` grows with L, and a
+    group of T ≤ c · budget tokens whose longest sample is ℓ costs at most
+    ``T · per_rank(ℓ, c) / ℓ + ring_cost(c)`` per rank. The largest such cap over sizes, ``G``
+    (:func:`shorter_group_cap`), bounds every rank of that half, while the micro-batch's peak is
+    at least s's group, ``per_rank(L_s, N/2) + ring_cost(N/2)``: the half idles
+    ``N/2 · (peak − G)`` at least.
+
+    Samples in (b) come two to a micro-batch, so with an odd count one sample at least is in (a)
+    or (c): it is charged the lesser of the two, and the least charge over the samples is the
+    bound. Work, ring steps and idle time are disjoint parts of the ranks' time, so the charge
+    adds to ``Σ W_i + R``."""
+    half = domain.size // 2
+    if not is_power_of_two(domain.size) or half not in domain.group_sizes:
+        return 0.0
+    degree = {length: domain.cp_degree(length) for length in set(seqlens)}
+    halves = {length for length in degree if is_half_domain(length, degree[length], domain)}
+    if sum(length in halves for length in seqlens) % 2 == 0:
+        return 0.0
+    shorter = [L for L in seqlens if degree[L] <= half and L not in halves]
+    cap = shorter_group_cap(shorter, degree, domain, cost)
+    charges = []
+    for length in halves:
+        whole = domain.size * cost.per_rank(length, domain.size)
+        overhead = whole - least_work(cost, length, half, domain.group_sizes)
+        alone = cost.per_rank(length, half) + cost.ring_cost(half)
+        idle = math.inf if cap is None else half * max(0.0, alone - cap)
+        charges.append(min(overhead, idle))
+    return max(0.0, min(charges))
+
+
+def is_half_domain(seqlen: int, degree: int, domain: Domain) -> bool:
+    """True for a sample of minimum CP size (``degree``) N/2 with more than N/4 · budget
+    tokens: two such samples never share a group of N/2 ranks, whatever the minimum CP size."""
+    return 2 * degree == domain.size and 4 * seqlen > domain.size * domain.budget
+
+
+def shorter_group_cap(
+    shorter: Sequence[int], degree: Dict[int, int], domain: Domain, cost: CostModel
+) -> Optional[float]:
+    """The most per-rank cost a group of c ≤ N/2 ranks can carry holding only ``shorter``
+    samples (:func:`unpaired_half_idle`), the largest over sizes of
+    ``T · per_rank(ℓ, c) / ℓ + ring_cost(c)``: ℓ the longest of them that fits c ranks, T the
+    least of c · budget and their tokens. None when there are none (a half is then covered by a
+    half-domain sample or not at all)."""
+    longest: Dict[int, int] = {}  # by minimum CP size: the longest sample and the tokens
+    tokens: Dict[int, int] = {}
+    for length in shorter:
+        size = degree[length]
+        longest[size] = max(longest.get(size, 0), length)
+        tokens[size] = tokens.get(size, 0) + length
+    cap: Optional[float] = None
+    most = total = 0
+    for size in domain.group_sizes:
+        if size > domain.size // 2:
+            break
+        if size in longest:
+            most, total = max(most, longest[size]), total + tokens[size]
+        elif cap is None:
+            continue  # no sample fits a group of this size
+        held = min(size * domain.budget, total)
+        work = held * cost.per_rank(most, size) / most if most else 0.0
+        cap = max(-math.inf if cap is None else cap, work + cost.ring_cost(size))
+    return cap
 
 
 def ring_shares(domain: Domain, cost: CostModel) -> Dict[int, Share]:

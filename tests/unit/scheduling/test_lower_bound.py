@@ -3,6 +3,9 @@ cases where it is exact and the fluid bound is not. That it stays below every sc
 critical path under random coefficients is tested with the plan invariants
 (``test_properties_invariants``) and over nodes (``test_topology``)."""
 
+import itertools
+import math
+
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -14,6 +17,8 @@ from megatron_dcp.scheduling.lower_bound import (
     coverage_ring,
     fewest_microbatches,
     ring_shares,
+    shorter_group_cap,
+    unpaired_half_idle,
 )
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 from megatron_dcp.scheduling.topology import NodeLayout
@@ -135,3 +140,112 @@ def test_shares_fall_back_to_the_fluid_ones_where_the_proof_fails():
     assert shares == {c: (0.0, RING.ring_cost(c) / 100) for c in domain.group_sizes}
     powers = ring_shares(Domain(8, 1, 100), RING)
     assert powers[8][0] > 0  # power-of-two domains keep the exclusive shares
+
+
+# ------------------------------------------------------------------------------------------------
+# An odd half-domain sample: the idle half (``unpaired_half_idle``)
+# ------------------------------------------------------------------------------------------------
+
+SPILL_COSTS = st.builds(
+    CostModel,
+    linear=st.floats(0.01, 2.0),
+    quadratic=st.floats(0.0, 0.1),
+    comm=st.floats(0.0, 3.0),
+    ring_step=st.floats(0.0, 50.0),
+    cp_efficiency=st.floats(0.3, 1.0),
+    microbatch=st.floats(0.0, 20.0),
+    spill=st.sampled_from([0.0, 0.0, 0.01]),
+    spill_elements=st.sampled_from([math.inf, 50.0]),
+)
+
+
+@settings(max_examples=scaled(300), deadline=None)
+@given(st.data(), SPILL_COSTS)
+def test_no_group_of_shorter_samples_exceeds_the_cap(data, cost):
+    """The cap the idle half rests on: any group of at most N/2 ranks holding shorter samples
+    (each within its minimum CP size, the group within the budget) costs at most the cap."""
+    n = data.draw(st.sampled_from([2, 4, 8, 16]))
+    domain = Domain(n, 1, data.draw(st.integers(1, 50)))
+    limit = n * domain.budget // 4  # shorter samples: not half-domain ones
+    shorter = data.draw(st.lists(st.integers(0, max(limit, 0)), min_size=1, max_size=12))
+    degree = {length: domain.cp_degree(length) for length in shorter}
+    size = data.draw(st.sampled_from([c for c in domain.group_sizes if c <= n // 2]))
+    members = [i for i, L in enumerate(shorter) if degree[L] <= size]
+    assume(members)
+    chosen = data.draw(st.lists(st.sampled_from(members), min_size=1, max_size=6, unique=True))
+    picked = [shorter[i] for i in chosen]
+    assume(sum(picked) <= size * domain.budget)
+    cap = shorter_group_cap(shorter, degree, domain, cost)
+    assert cost.group_cost(picked, size) <= cap * (1 + 1e-9) + 1e-9
+
+
+def test_an_odd_half_domain_sample_idles_the_other_half():
+    """Two ranks, budget 100: a 90-token sample needs a rank to itself or both ranks (paying
+    the K/V exchange). Beside a 10-token sample the other rank idles 80 tokens' time: the bound
+    charges exactly that, and equals the best plan's critical path (before: 50 vs 90)."""
+    domain, lengths = Domain(2, 1, 100), [90, 10]
+    cost = CostModel(1.0, 0.0, comm=1.0)
+    assert unpaired_half_idle(lengths, domain, cost) == pytest.approx(80.0)
+    assert unpaired_half_idle([90, 60, 10], domain, cost) == 0.0  # a pair: nothing charged
+    plan = scheduler(2, 100, cost).schedule(lengths)
+    assert critical_path(plan, cost) == pytest.approx(90.0)
+    assert lower_bound(plan, cost) == pytest.approx(90.0)
+
+
+def aligned_layouts(start: int, size: int, most: int):
+    """Every partition of the block [start, start + size) into aligned power-of-two blocks of
+    at most ``most`` blocks, as lists of (start, size)."""
+    if most < 1:
+        return
+    yield [(start, size)]
+    if size > 1:
+        half = size // 2
+        for left in aligned_layouts(start, half, most - 1):
+            for right in aligned_layouts(start + half, half, most - len(left)):
+                yield left + right
+
+
+def best_microbatch(lengths, domain, cost):
+    """The least peak of one micro-batch holding ``lengths``: every layout of aligned groups and
+    every way to fill each group with one sample at least within its budget and minimum sizes."""
+    best = math.inf
+    for layout in aligned_layouts(0, domain.size, len(lengths)):
+        for places in itertools.product(range(len(layout)), repeat=len(lengths)):
+            held = [[L for L, p in zip(lengths, places) if p == g] for g in range(len(layout))]
+            if any(
+                not group
+                or sum(group) > size * domain.budget
+                or max(domain.cp_degree(L) for L in group) > size
+                for group, (_, size) in zip(held, layout)
+            ):
+                continue
+            best = min(best, max(cost.group_cost(g, s) for g, (_, s) in zip(held, layout)))
+    return best
+
+
+def set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in set_partitions(rest):
+        yield [[first]] + partition
+        for i in range(len(partition)):
+            yield partition[:i] + [[first] + partition[i]] + partition[i + 1 :]
+
+
+@settings(max_examples=scaled(150), deadline=None)
+@given(st.data(), SPILL_COSTS)
+def test_the_bound_is_below_the_optimum_of_tiny_batches(data, cost):
+    """Against the optimum itself (every plan of 1–4 samples on 2, 4 or 8 ranks enumerated),
+    with an odd count of half-domain samples half the time: the bound never exceeds it."""
+    n = data.draw(st.sampled_from([2, 4, 8]))
+    domain = Domain(n, 1, data.draw(st.integers(2, 20)))
+    half = st.integers(n * domain.budget // 4 + 1, n * domain.budget // 2)
+    any_length = st.integers(0, n * domain.budget)
+    lengths = data.draw(st.lists(st.one_of(half, any_length), min_size=1, max_size=4))
+    optimum = min(
+        sum(best_microbatch(part, domain, cost) + cost.microbatch for part in partition)
+        for partition in set_partitions(lengths)
+    )
+    assert batch_lower_bound(lengths, domain, cost) <= optimum * (1 + 1e-9) + 1e-9
