@@ -10,7 +10,7 @@
 - ``K``, the fewest micro-batches: the tokens need ⌈Σ L / (N · budget)⌉ (at least one when
   there is a sample), rounded up to a multiple of the VPP group size.
 - ``R ≤`` the ring steps every plan pays, summed over ranks: a group of c ranks that holds a
-  sample pays ``c · ring_cost(c)``. Two bounds, the larger is taken:
+  sample pays ``c · ring_cost(c)``. Three bounds, the largest is taken:
 
   - **shares** (:func:`ring_shares`): each sample is charged a share ``f(L)`` of its group's
     ring steps such that no group can hold samples whose shares exceed what it pays. A sample
@@ -25,6 +25,9 @@
     ring_step · (N²/m − N) (Cauchy–Schwarz); spread over K micro-batches (convexity) that is
     ``ring_step · N · K · (N·K/n − 1)`` for n samples. It bites when there are few samples
     per rank (long sequences, or micro-batches VPP adds).
+  - **group counts** (``group_count_bound``): a linear program over how many groups of each
+    size the plan has, which sees both at once: the groups must tile K micro-batches, number at
+    most n, and give the long samples groups of their sizes.
 
 - ``I``, the idle time of an odd half-domain sample (:func:`unpaired_half_idle`): a sample whose
   minimum CP size is N/2 takes half the domain; where no other such sample takes the other half
@@ -48,6 +51,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel, SizeCosts
 from megatron_dcp.scheduling.domain import Domain, is_power_of_two
+from megatron_dcp.scheduling.group_count_bound import group_count_ring
 
 # A share f(L) = base + rate · L per CP size (the minimum CP size of the sample).
 Share = Tuple[float, float]
@@ -74,7 +78,8 @@ def batch_lower_bound(
         work += least
         shared += share
     count = fewest_microbatches(seqlens, domain, vpp)
-    ring = max(shared, coverage_ring(len(seqlens), count, domain.size, cost))
+    covered = coverage_ring(len(seqlens), count, domain.size, cost)
+    ring = max(shared, covered, group_count_ring(seqlens, domain, cost, count))
     idle = unpaired_half_idle(seqlens, domain, cost)
     return (work + ring + idle) / domain.size + cost.microbatch * count
 
