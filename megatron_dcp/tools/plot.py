@@ -21,7 +21,9 @@ _CMAP = "viridis"
 # Colour scale of load / slowest rank: what matters is 0.5–1, so the scale starts at 0.5 at the
 # latest; it starts lower when a cell is lower (no cell is clipped to the end of the scale).
 _VMIN = 0.5
-POSITION_AXIS = "DP×CP position (DP-major, CP inner; a position's TP ranks share its column)"
+POSITION_AXIS = "DP×CP position"
+# Once under the panels (one per panel overlapped its neighbours).
+POSITION_NOTE = "positions DP-major, CP inner; a position's TP ranks share its column"
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ def plot_panels(panels: Sequence[Panel], path: str, suptitle: str = "") -> None:
         _draw_panel(ax, panel, scale.to_rgba)
     bar = fig.colorbar(scale, ax=list(axes[0]), fraction=0.025)
     bar.set_label("per-rank load / slowest rank of the row (numbers: CP size)", fontsize=8)
+    fig.supxlabel(POSITION_NOTE, fontsize=8, y=-0.04)
     if suptitle:
         fig.suptitle(suptitle, fontsize=10, y=1.04)
     fig.savefig(path, dpi=110, bbox_inches="tight")
