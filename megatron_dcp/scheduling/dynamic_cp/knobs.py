@@ -92,6 +92,9 @@ class Knobs:
     tie_items: int = 2
     swap_groups: int = 2
     swap_partners: int = 2
+    # Swap tiled blocks: rounds of tiled-block swaps, each followed by relocate and swap on a
+    # copy of the plan (kept when shorter; the rounds end at the first that is not).
+    tile_rounds: int = 3
     # Re-form a pair: the most imbalanced micro-batches tried as the pair's first; trials per
     # micro-batch of the plan; a re-formed pair is polished only when its Σ peaks is within
     # ``promising`` of the old pair's.
