@@ -12,16 +12,17 @@ keeps every peak and lowers a tied top group by that much, so that the next move
 micro-batch's peak.
 
 The micro-batch count never changes here (VPP alignment holds). The search runs on batches of
-at most ``knobs.search_samples`` samples and (sample moves) plans of at most
-``knobs.search_microbatches`` micro-batches, bounded by counted passes, steps and trials, never
-by time: every rank computes the same plan.
+at most ``knobs.search_samples`` samples (up to ``knobs.polish_samples``: the polish of
+imbalanced micro-batches only) and (sample moves) plans of at most ``knobs.search_microbatches``
+micro-batches, bounded by counted passes, steps and trials, never by time: every rank computes
+the same plan.
 """
 
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Protocol, Sequence
 
-from megatron_dcp.scheduling.dynamic_cp.microbatch_search import polish_plan
+from megatron_dcp.scheduling.dynamic_cp.microbatch_search import polish_imbalanced, polish_plan
 from megatron_dcp.scheduling.dynamic_cp.moves.block_swap import BlockSwap
 from megatron_dcp.scheduling.dynamic_cp.moves.reform import ReformPair
 from megatron_dcp.scheduling.dynamic_cp.moves.relocate import Relocate, TieBreak
@@ -98,8 +99,12 @@ def search_chosen(ctx: Context, drafts: List[MicroBatchDraft], samples: int, bou
     """On the chosen plan (batches of at most ``knobs.search_samples`` samples): polish each
     micro-batch, re-form pairs of micro-batches unless the plan is within ``knobs.good_plan`` of
     the lower ``bound``, swap CP blocks, then relocate and swap again, breaking ties; last, rounds
-    of tiled-block swaps (:func:`relocate_with_block_swaps`)."""
+    of tiled-block swaps (:func:`relocate_with_block_swaps`). Batches of up to
+    ``knobs.polish_samples`` samples get the polish of their imbalanced micro-batches only
+    (:func:`~.microbatch_search.polish_imbalanced`)."""
     if samples > ctx.knobs.search_samples:
+        if samples <= ctx.knobs.polish_samples:
+            polish_imbalanced(ctx, drafts)
         return
     polish_plan(ctx, drafts)
     if draft_critical_path(ctx, drafts) > ctx.knobs.good_plan * bound:
