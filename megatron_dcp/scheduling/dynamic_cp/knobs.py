@@ -51,6 +51,12 @@ class Knobs:
     # Batches of at most this many samples try the all-levels and packing variants and are
     # searched across micro-batches.
     search_samples: int = 512
+    # Batches of more samples (up to ``polish_samples``) get only the polish of the micro-batches
+    # whose peak exceeds their mean per-rank load by more than ``polish_imbalance`` of the peak
+    # (the whole search costs too much there; the polish pays where a micro-batch is far from
+    # balanced: the short-sample micro-batches beside long samples).
+    polish_samples: int = 1024
+    polish_imbalance: float = 0.02
     # Plans of more micro-batches are neither varied nor searched by sample moves across
     # micro-batches (block swaps still run): such a search costs O(K²) for K micro-batches (the
     # fuzzer's tiny budgets make hundreds).
@@ -92,6 +98,9 @@ class Knobs:
     tie_items: int = 2
     swap_groups: int = 2
     swap_partners: int = 2
+    # Swap tiled blocks: rounds of tiled-block swaps, each followed by relocate and swap on a
+    # copy of the plan (kept when shorter; the rounds end at the first that is not).
+    tile_rounds: int = 3
     # Re-form a pair: the most imbalanced micro-batches tried as the pair's first; trials per
     # micro-batch of the plan; a re-formed pair is polished only when its Σ peaks is within
     # ``promising`` of the old pair's.

@@ -17,7 +17,7 @@ from megatron_dcp.scheduling.dynamic_cp.moves.resize import find_merge, find_spl
 from megatron_dcp.scheduling.dynamic_cp.moves.shift import find_rebalance, find_shift
 from megatron_dcp.scheduling.dynamic_cp.moves.transfer import Candidate
 from megatron_dcp.scheduling.dynamic_cp.rank_repair import layout
-from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
+from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft, peak
 
 # Finds a move around the top group of a micro-batch (None when it has none).
 Finder = Callable[[Context, MicroBatchDraft, GroupDraft], Optional[Candidate]]
@@ -75,3 +75,14 @@ def polish_plan(ctx: Context, drafts: Sequence[MicroBatchDraft]) -> None:
     """:func:`polish_microbatch` on every micro-batch of a plan."""
     for draft in drafts:
         polish_microbatch(ctx, draft)
+
+
+def polish_imbalanced(ctx: Context, drafts: Sequence[MicroBatchDraft]) -> None:
+    """:func:`polish_microbatch` on the micro-batches whose peak exceeds their mean per-rank
+    load by more than ``knobs.polish_imbalance`` of the peak: the polish of batches too large for
+    the whole search, spent where a micro-batch is far from balanced."""
+    ranks = ctx.domain.size
+    for draft in drafts:
+        top = peak(draft)
+        if top - sum(g.load * g.size for g in draft) / ranks > ctx.knobs.polish_imbalance * top:
+            polish_microbatch(ctx, draft)

@@ -1,7 +1,7 @@
 """The search across the micro-batches of a plan: one driver (:func:`improve_plan`) and the moves
 that change two or more micro-batches as its units (relocate and swap, tie-break, re-form a pair,
-swap two CP blocks; ``moves/``), run in two rounds (:func:`search_candidates`,
-:func:`search_chosen`).
+swap two CP blocks, swap two tiled blocks; ``moves/``), run in two rounds
+(:func:`search_candidates`, :func:`search_chosen`).
 
 A move (:class:`PlanMove`) finds, for one micro-batch, its best candidate and what it gains
 (a :class:`~.moves.transfer.PlanCandidate`) and changes nothing; the driver decides and applies.
@@ -12,20 +12,22 @@ keeps every peak and lowers a tied top group by that much, so that the next move
 micro-batch's peak.
 
 The micro-batch count never changes here (VPP alignment holds). The search runs on batches of
-at most ``knobs.search_samples`` samples and (sample moves) plans of at most
-``knobs.search_microbatches`` micro-batches, bounded by counted passes, steps and trials, never
-by time: every rank computes the same plan.
+at most ``knobs.search_samples`` samples (up to ``knobs.polish_samples``: the polish of
+imbalanced micro-batches only) and (sample moves) plans of at most ``knobs.search_microbatches``
+micro-batches, bounded by counted passes, steps and trials, never by time: every rank computes
+the same plan.
 """
 
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Protocol, Sequence
 
-from megatron_dcp.scheduling.dynamic_cp.microbatch_search import polish_plan
+from megatron_dcp.scheduling.dynamic_cp.microbatch_search import polish_imbalanced, polish_plan
 from megatron_dcp.scheduling.dynamic_cp.moves.block_swap import BlockSwap
 from megatron_dcp.scheduling.dynamic_cp.moves.reform import ReformPair
 from megatron_dcp.scheduling.dynamic_cp.moves.relocate import Relocate, TieBreak
 from megatron_dcp.scheduling.dynamic_cp.moves.resize import copy_group
+from megatron_dcp.scheduling.dynamic_cp.moves.tile_swap import TileSwap
 from megatron_dcp.scheduling.dynamic_cp.moves.transfer import PlanCandidate
 from megatron_dcp.scheduling.dynamic_cp.search_state import (
     Context,
@@ -96,8 +98,13 @@ def search_candidates(ctx: Context, plans: Sequence[List[MicroBatchDraft]], samp
 def search_chosen(ctx: Context, drafts: List[MicroBatchDraft], samples: int, bound: float) -> None:
     """On the chosen plan (batches of at most ``knobs.search_samples`` samples): polish each
     micro-batch, re-form pairs of micro-batches unless the plan is within ``knobs.good_plan`` of
-    the lower ``bound``, swap CP blocks, then relocate and swap again, breaking ties."""
+    the lower ``bound``, swap CP blocks, then relocate and swap again, breaking ties; last, rounds
+    of tiled-block swaps (:func:`relocate_with_block_swaps`). Batches of up to
+    ``knobs.polish_samples`` samples get the polish of their imbalanced micro-batches only
+    (:func:`~.microbatch_search.polish_imbalanced`)."""
     if samples > ctx.knobs.search_samples:
+        if samples <= ctx.knobs.polish_samples:
+            polish_imbalanced(ctx, drafts)
         return
     polish_plan(ctx, drafts)
     if draft_critical_path(ctx, drafts) > ctx.knobs.good_plan * bound:
@@ -108,10 +115,31 @@ def search_chosen(ctx: Context, drafts: List[MicroBatchDraft], samples: int, bou
 def relocate_with_block_swaps(ctx: Context, drafts: List[MicroBatchDraft]) -> None:
     """Relocate and swap samples, breaking ties, on ``drafts`` and on a copy whose CP blocks were
     swapped first; the copy replaces ``drafts`` when it ends shorter: the final relocate is
-    greedy, and from the swapped plan it can end longer than from the plan without the swaps."""
+    greedy, and from the swapped plan it can end longer than from the plan without the swaps.
+    Then at most ``knobs.tile_rounds`` rounds of :func:`swap_tiles`, until one is not kept."""
     swapped = [[copy_group(g) for g in draft] for draft in drafts]
     improve_plan(ctx, swapped, BlockSwap)
     improve_plan(ctx, drafts, TieBreak)
     improve_plan(ctx, swapped, TieBreak)
     if draft_critical_path(ctx, swapped) < draft_critical_path(ctx, drafts):
         drafts[:] = swapped
+    for _ in range(ctx.knobs.tile_rounds):
+        if not swap_tiles(ctx, drafts):
+            break
+
+
+def swap_tiles(ctx: Context, drafts: List[MicroBatchDraft]) -> bool:
+    """On a copy of the searched plan, swap tiled blocks (:class:`~.moves.tile_swap.TileSwap`),
+    then relocate and swap again, breaking ties; the copy replaces ``drafts`` when it ends
+    shorter (True then). False when no swap was made or the copy did not end shorter: a copy
+    keeps the move from lengthening the plan, as the final relocate is greedy."""
+    tiled = [[copy_group(g) for g in draft] for draft in drafts]
+    before = sum(map(peak, tiled))
+    improve_plan(ctx, tiled, TileSwap)
+    if sum(map(peak, tiled)) >= before:
+        return False
+    improve_plan(ctx, tiled, TieBreak)
+    if draft_critical_path(ctx, tiled) < draft_critical_path(ctx, drafts):
+        drafts[:] = tiled
+        return True
+    return False
