@@ -155,6 +155,14 @@ def _set_ids(st: State, g: Group, ids: List[int]) -> None:
     st.refresh(g)
 
 
+def _reassign(st: State, changes: List[Tuple[Group, List[int]]]):
+    """Give each group its new samples; return the change of Σ peaks and how to undo it."""
+    old = [(g, g.ids) for g, _ in changes]
+    for g, ids in changes:
+        _set_ids(st, g, ids)
+    return _peaks_delta([g.mb for g, _ in changes]), lambda: _undo_changes(st, old)
+
+
 def move_relocate(st: State, rng: random.Random):
     """Move one sample to another group that holds it (its source group stays non-empty)."""
     i = pick_sample(st, rng)
@@ -162,16 +170,7 @@ def move_relocate(st: State, rng: random.Random):
     dst = pick_group(st, rng, src.mb)
     if dst is src or len(src.ids) < 2 or not st.fits(i, dst):
         return None
-    old_src, old_dst = list(src.ids), list(dst.ids)
-    _set_ids(st, src, [j for j in src.ids if j != i])
-    _set_ids(st, dst, dst.ids + [i])
-
-    def undo():
-        _set_ids(st, src, old_src)
-        _set_ids(st, dst, old_dst)
-        _peaks_delta([src.mb, dst.mb])
-
-    return _peaks_delta([src.mb, dst.mb]), undo
+    return _reassign(st, [(src, [j for j in src.ids if j != i]), (dst, dst.ids + [i])])
 
 
 def move_swap(st: State, rng: random.Random):
@@ -185,16 +184,8 @@ def move_swap(st: State, rng: random.Random):
     Li, Lj = st.lengths[i], st.lengths[j]
     if not (st.fits(j, gi, -Li) and st.fits(i, gj, -Lj)) or Li == Lj:
         return None
-    old_i, old_j = list(gi.ids), list(gj.ids)
-    _set_ids(st, gi, [k for k in gi.ids if k != i] + [j])
-    _set_ids(st, gj, [k for k in gj.ids if k != j] + [i])
-
-    def undo():
-        _set_ids(st, gi, old_i)
-        _set_ids(st, gj, old_j)
-        _peaks_delta([gi.mb, gj.mb])
-
-    return _peaks_delta([gi.mb, gj.mb]), undo
+    into_i = [k for k in gi.ids if k != i] + [j]
+    return _reassign(st, [(gi, into_i), (gj, [k for k in gj.ids if k != j] + [i])])
 
 
 def move_swap_groups(st: State, rng: random.Random):
@@ -207,16 +198,7 @@ def move_swap_groups(st: State, rng: random.Random):
     if not same:
         return None
     g2 = rng.choice(same)
-    ids1, ids2 = g1.ids, g2.ids
-
-    def undo():
-        _set_ids(st, g1, ids1)
-        _set_ids(st, g2, ids2)
-        _peaks_delta([g1.mb, g2.mb])
-
-    _set_ids(st, g1, ids2)
-    _set_ids(st, g2, ids1)
-    return _peaks_delta([g1.mb, g2.mb]), undo
+    return _reassign(st, [(g1, g2.ids), (g2, g1.ids)])
 
 
 def _block_groups(mb: MB, start: int, size: int) -> Optional[List[Group]]:
@@ -381,7 +363,7 @@ def _may_fit(st: State, ids: List[int], mbs: Sequence[MB]) -> bool:
 
 
 def _undo_changes(st: State, changes: List[Tuple[Group, List[int]]]) -> None:
-    """Restore the groups :func:`_insert_greedily` changed (latest first)."""
+    """Restore the groups a move changed, (group, old samples), latest first."""
     for g, old in reversed(changes):
         _set_ids(st, g, old)
         g.mb.update_peak()
