@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dcp.integration.config import DCPConfig, add_dcp_args, check_budget, flag_error
+from megatron_dcp.integration.config import (
+    DEFAULT_ROUTING,
+    DCPConfig,
+    add_dcp_args,
+    check_budget,
+    flag_error,
+)
 from megatron_dcp.integration.model_checks import check_model_config
 from megatron_dcp.scheduling import SCHEDULERS, build_scheduler
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
@@ -100,6 +106,23 @@ def test_budget_accepts_multiples_of_the_padding_unit():
     assert DCPConfig(max_seqlen_per_dp_cp_rank=8, tp_size=4, sequence_parallel=True)
 
 
+def config_from_flags(*flags: str) -> DCPConfig:
+    """The DCPConfig that ``flags`` (DCP's own) give beside a small model's megatron args."""
+    parsed = add_dcp_args(ArgumentParser()).parse_args(list(flags))
+    args = SimpleNamespace(
+        **vars(parsed),
+        micro_batch_size=1,
+        max_seqlen_per_dp_cp_rank=64,
+        context_parallel_size=2,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+    )
+    return DCPConfig.from_args(args)
+
+
 @pytest.fixture
 def registered_scheduler():
     """A scheduler registered for one test only (the registry is global)."""
@@ -112,27 +135,26 @@ def registered_scheduler():
 
 
 def test_a_registered_scheduler_can_be_chosen_from_the_command_line(registered_scheduler):
-    flags = [
-        "--dynamic-context-parallel",
-        "--sequence-packing-scheduler",
-        registered_scheduler.name,
-    ]
-    parsed = add_dcp_args(ArgumentParser()).parse_args(flags)
-    args = SimpleNamespace(
-        **vars(parsed),
-        micro_batch_size=1,
-        max_seqlen_per_dp_cp_rank=64,
-        context_parallel_size=2,
-        tensor_model_parallel_size=1,
-        sequence_parallel=False,
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
+    dcp = config_from_flags(
+        "--dynamic-context-parallel", "--sequence-packing-scheduler", registered_scheduler.name
     )
-    dcp = DCPConfig.from_args(args)
     assert isinstance(dcp.build_scheduler(4), registered_scheduler)
     with pytest.raises(SystemExit):  # argparse: not a registered choice
         add_dcp_args(ArgumentParser()).parse_args(["--sequence-packing-scheduler", "fifo"])
+
+
+def test_the_flag_reaches_the_config_and_an_unknown_method_is_refused():
+    assert config_from_flags().routing == DEFAULT_ROUTING == "auto"
+    assert config_from_flags("--dcp-routing", "lane-all-gather").routing == "lane-all-gather"
+    assert config_from_flags("--dcp-routing", "all-to-all").routing == "all-to-all"
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        config_from_flags("--dcp-routing", "ring")
+    with pytest.raises(ValueError) as error:
+        DCPConfig(max_seqlen_per_dp_cp_rank=64, routing="all_gather")
+    assert str(error.value) == (
+        "--dcp-routing='all_gather': must be one of auto, all-to-all, lane-all-gather "
+        "(DCPConfig.routing)."
+    )
 
 
 def too_long_error() -> SchedulingError:

@@ -69,39 +69,6 @@ def test_dcp_step_equals_single_process_with_either_routing(routing, cp, pp, wor
         assert max(result.cp_sizes) > cp  # some group spans DP replicas
 
 
-def test_the_flag_reaches_the_config_and_an_unknown_method_is_refused():
-    import argparse
-
-    from megatron_dcp.integration.config import DEFAULT_ROUTING, add_dcp_args
-
-    def from_flags(*flags: str) -> DCPConfig:
-        parsed = add_dcp_args(argparse.ArgumentParser()).parse_args(list(flags))
-        args = SimpleNamespace(
-            **vars(parsed),
-            micro_batch_size=1,
-            max_seqlen_per_dp_cp_rank=64,
-            context_parallel_size=2,
-            tensor_model_parallel_size=1,
-            sequence_parallel=False,
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-        )
-        return DCPConfig.from_args(args)
-
-    assert from_flags().routing == DEFAULT_ROUTING == "auto"
-    assert from_flags("--dcp-routing", "lane-all-gather").routing == "lane-all-gather"
-    assert from_flags("--dcp-routing", "all-to-all").routing == "all-to-all"
-    with pytest.raises(SystemExit):  # argparse: not a choice
-        from_flags("--dcp-routing", "ring")
-    with pytest.raises(ValueError) as error:
-        DCPConfig(max_seqlen_per_dp_cp_rank=64, routing="all_gather")
-    assert str(error.value) == (
-        "--dcp-routing='all_gather': must be one of auto, all-to-all, lane-all-gather "
-        "(DCPConfig.routing)."
-    )
-
-
 def test_auto_routes_with_the_all_to_all_on_gloo():
     samples = make_samples(LENGTHS, OPTIONS.vocab_size, seed=7)
     expected = single_process_reference(samples, OPTIONS)
