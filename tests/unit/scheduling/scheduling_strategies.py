@@ -4,16 +4,18 @@ any size N = dp·cp in 1..64 (odd and non-powers of two included), power-of-two 
 sizes, VPP group sizes None or 1..4, budgets 1..4096, and lengths mixing tiny, typical and
 near-maximal (N·budget) sequences."""
 
+import math
 from typing import Optional
 
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 
-from megatron_dcp.scheduling import Plan, build_scheduler
+from megatron_dcp.scheduling import CostModel, Plan, build_scheduler
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.draft import Item, group_of_items
 from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.topology import NodeLayout
 from megatron_dcp.tools.fuzz_cases import FuzzCase
 from megatron_dcp.tools.plan_check import MUST_REJECT, rejection
 
@@ -56,6 +58,28 @@ def layouts(draw, static_cp: bool = False):
     vpp = draw(st.one_of(st.none(), st.integers(1, 4)))
     budget = draw(st.one_of(st.integers(1, 4096), st.sampled_from([1, 2, 3, 7, 4096])))
     return n // cp, cp, budget, min_cp, vpp
+
+
+def cost_models(spill: bool = False, nodes: bool = False):
+    """Cost models from compute-bound to overhead-bound (ring steps, fixed micro-batch cost, CP
+    efficiency); with ``spill``, score spill too (a cost that falls as c grows), with ``nodes``
+    node tiers (1, 2 or 4 ranks per node, dearer K/V exchange and ring steps across them)."""
+    return st.builds(
+        CostModel,
+        linear=st.floats(0.1, 10.0),
+        quadratic=st.floats(0.0, 1.0),
+        comm=st.floats(0.0, 5.0),
+        ring_step=st.floats(0.0, 500.0),
+        microbatch=st.floats(0.0, 1000.0),
+        cp_efficiency=st.floats(0.3, 1.0),
+        spill=st.sampled_from([0.0, 0.5]) if spill else st.just(0.0),
+        spill_elements=st.sampled_from([math.inf, 1e4]) if spill else st.just(math.inf),
+        nodes=st.one_of(st.none(), node_layouts()) if nodes else st.none(),
+    )
+
+
+def node_layouts():
+    return st.builds(NodeLayout, st.sampled_from([1, 2, 4]), st.floats(1, 10), st.floats(1, 4))
 
 
 def lengths(cap: int, budget: int, min_size: int = 0, max_size: int = 24):

@@ -6,7 +6,7 @@ scheduler's plans under random coefficients and node tiers."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduling_strategies import cases, parametrize_names, plan_or_none, scaled
+from scheduling_strategies import cases, cost_models, parametrize_names, plan_or_none, scaled
 
 from megatron_dcp.scheduling import CostModel, Domain, build_scheduler
 from megatron_dcp.scheduling.group_count_bound import (
@@ -16,7 +16,6 @@ from megatron_dcp.scheduling.group_count_bound import (
     maximize,
 )
 from megatron_dcp.scheduling.lower_bound import coverage_ring, fewest_microbatches, ring_shares
-from megatron_dcp.scheduling.topology import NodeLayout
 
 RING = CostModel(1.0, 0.0, ring_step=10.0)
 
@@ -67,16 +66,7 @@ def test_few_samples_and_a_long_one_are_priced_exactly():
     assert paid == pytest.approx(160.0)
 
 
-COSTS = st.builds(
-    CostModel,
-    linear=st.floats(0.1, 10.0),
-    quadratic=st.floats(0.0, 1.0),
-    ring_step=st.floats(0.0, 500.0),
-    nodes=st.one_of(
-        st.none(),
-        st.builds(NodeLayout, st.sampled_from([1, 2, 4]), st.floats(1, 10), st.floats(1, 4)),
-    ),
-)
+COSTS = cost_models(nodes=True)
 
 
 @parametrize_names

@@ -146,6 +146,8 @@ def test_shares_fall_back_to_the_fluid_ones_where_the_proof_fails():
 # An odd half-domain sample: the idle half (``unpaired_half_idle``)
 # ------------------------------------------------------------------------------------------------
 
+# Scaled for the tiny domains below (budgets of 1–50 tokens): coefficients of one order, and a
+# score cache of 50 elements, so that spill bites (``cost_models(spill=True)`` caches 1e4).
 SPILL_COSTS = st.builds(
     CostModel,
     linear=st.floats(0.01, 2.0),

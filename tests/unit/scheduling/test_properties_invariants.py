@@ -24,12 +24,13 @@ from scheduling_strategies import (
     NAMES,
     allowed_block,
     cases,
+    cost_models,
     parametrize_names,
     plan_or_none,
     scaled,
 )
 
-from megatron_dcp.scheduling import CostModel, build_scheduler
+from megatron_dcp.scheduling import build_scheduler
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 from megatron_dcp.tools.fuzz_cases import FuzzCase
 from megatron_dcp.tools.plan_check import check_plan, check_static_cp
@@ -53,15 +54,7 @@ def test_every_sample_appears_exactly_once(name, data):
         assert ids == list(range(len(case.seqlens)))
 
 
-COSTS = st.builds(
-    CostModel,
-    linear=st.floats(0.1, 10.0),
-    quadratic=st.floats(0.0, 1.0),
-    comm=st.floats(0.0, 5.0),
-    ring_step=st.floats(0.0, 500.0),
-    microbatch=st.floats(0.0, 1000.0),
-    cp_efficiency=st.floats(0.3, 1.0),
-)
+COSTS = cost_models()
 
 
 @parametrize_names
@@ -202,7 +195,7 @@ HASHSEED_CASES = [
 
 _PLAN_DIGESTS = """
 import hashlib, json, sys
-from megatron_dcp.scheduling import CostModel, build_scheduler
+from megatron_dcp.scheduling import build_scheduler
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 out = []
 for name, kwargs, seqlens in json.loads(sys.stdin.read()):

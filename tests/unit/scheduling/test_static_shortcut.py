@@ -9,7 +9,7 @@ from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduling_strategies import scaled
+from scheduling_strategies import cost_models, scaled
 
 from megatron_dcp.scheduling import CostModel, Domain, build_scheduler
 from megatron_dcp.scheduling.dynamic_cp import scheduler as dcp_scheduler
@@ -18,17 +18,7 @@ from megatron_dcp.scheduling.lower_bound import static_cp_lower_bound
 from megatron_dcp.scheduling.metrics import critical_path, rank_loads
 
 # Compute-bound to overhead-bound worlds, with score spill (a cost that falls as c grows).
-COSTS = st.builds(
-    CostModel,
-    linear=st.floats(0.1, 10.0),
-    quadratic=st.floats(0.0, 1.0),
-    comm=st.floats(0.0, 5.0),
-    ring_step=st.floats(0.0, 500.0),
-    microbatch=st.floats(0.0, 1000.0),
-    cp_efficiency=st.floats(0.3, 1.0),
-    spill=st.sampled_from([0.0, 0.5]),
-    spill_elements=st.sampled_from([math.inf, 1e4]),
-)
+COSTS = cost_models(spill=True)
 
 
 def kwargs(dp, cp, budget, vpp, cost):
