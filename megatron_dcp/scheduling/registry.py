@@ -45,20 +45,12 @@ class Scheduler:
         max_samples_per_group: Optional[int] = None,
     ) -> None:
         self.domain = Domain(dp_size, cp_size, max_seqlen_per_dp_cp_rank, min_cp_size)
-        k = microbatch_group_size_per_vp_stage
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise SchedulingError(
-                "{vpp}={value!r}: must be a positive integer (usually the pipeline-parallel size).",
-                value=k,
-            )
-        self.microbatch_group_size_per_vp_stage = k
-        cap = max_samples_per_group
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise SchedulingError(
-                "{max_samples}={value!r}: must be a positive integer (samples per CP group).",
-                value=cap,
-            )
-        self.max_samples_per_group = cap
+        self.microbatch_group_size_per_vp_stage = optional_count(
+            microbatch_group_size_per_vp_stage, "vpp", "usually the pipeline-parallel size"
+        )
+        self.max_samples_per_group = optional_count(
+            max_samples_per_group, "max_samples", "samples per CP group"
+        )
         self.cost_model = cost_model or CostModel.from_model_shape()
 
     def schedule(self, seqlens: Iterable[int]) -> Plan:
@@ -81,6 +73,16 @@ class Scheduler:
 
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         raise NotImplementedError
+
+
+def optional_count(value: Optional[int], parameter: str, meaning: str) -> Optional[int]:
+    """``value`` when it is None or a positive integer (a bool is not one); otherwise a
+    SchedulingError naming the ``parameter`` placeholder and what the count means."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SchedulingError(
+            "{%s}={value!r}: must be a positive integer (%s)." % (parameter, meaning), value=value
+        )
+    return value
 
 
 @contextmanager
