@@ -6,7 +6,7 @@ import operator
 from bisect import bisect_left
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.errors import SchedulingError
 
@@ -147,6 +147,10 @@ class Domain:
         if index == len(self.group_sizes):
             raise self.too_long_error(seqlen)
         return self.group_sizes[index]
+
+    def cp_degrees(self, seqlens: Iterable[int]) -> Dict[int, int]:
+        """:meth:`cp_degree` of each distinct length (a batch repeats lengths)."""
+        return {seqlen: self.cp_degree(seqlen) for seqlen in set(seqlens)}
 
     def too_long_error(
         self, seqlen: int, sample_id: Optional[int] = None, too_long: int = 1

@@ -27,7 +27,7 @@ each see one of the two.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
@@ -40,14 +40,19 @@ PIVOT_EPS = 1e-12
 
 
 def group_count_ring(
-    seqlens: Sequence[int], domain: Domain, cost: CostModel, microbatches: int
+    counts: Mapping[int, int],
+    domain: Domain,
+    cost: CostModel,
+    microbatches: int,
+    degree: Optional[Mapping[int, int]] = None,
 ) -> float:
-    """The least ring cost, summed over ranks, of any plan of ``seqlens`` with at least
-    ``microbatches`` micro-batches (module docstring); 0 when there is no sample."""
-    if not seqlens or not microbatches:
+    """The least ring cost, summed over ranks, of any plan of the samples ``counts`` holds
+    (length -> how many) with at least ``microbatches`` micro-batches (module docstring); 0 when
+    there is no sample. ``degree``: the minimum CP size of each length, when known."""
+    if not counts or not microbatches:
         return 0.0
     sizes = domain.group_sizes
-    rows = constraint_rows(seqlens, domain, microbatches)
+    rows = constraint_rows(counts, domain, microbatches, degree or domain.cp_degrees(counts))
     weights = [size * cost.ring_cost(size) for size in sizes]
     # Dual: maximize Σ_i rhs_i u_i subject to Σ_i A_ic u_i ≤ w_c for every size c, u ≥ 0.
     columns = [[row[0][c] for row in rows] for c in range(len(sizes))]
@@ -58,38 +63,37 @@ def group_count_ring(
 
 
 def constraint_rows(
-    seqlens: Sequence[int], domain: Domain, microbatches: int
+    counts: Mapping[int, int], domain: Domain, microbatches: int, degree: Mapping[int, int]
 ) -> List[Tuple[List[float], float]]:
     """The primal constraints as ``Σ_c a_c · y_c ≥ rhs`` rows (coefficients by size): slots,
     groups (first two), then tokens and counts per size above the smallest."""
     sizes, budget = domain.group_sizes, domain.budget
     rows = [
         ([float(size) for size in sizes], float(domain.size * microbatches)),
-        ([-1.0] * len(sizes), -float(len(seqlens))),
+        ([-1.0] * len(sizes), -float(sum(counts.values()))),
     ]
-    samples, tokens = samples_by_degree(seqlens, domain)
+    samples, tokens = samples_by_degree(counts, degree)
     for below, size in zip(sizes, sizes[1:]):
         heavy = sum(samples.get(c, 0) for c in sizes if c >= size)  # |H_size|
         if not heavy:
             break
         held = sum(tokens.get(c, 0) for c in sizes if c >= size)
         rows.append(([float(c) if c >= size else 0.0 for c in sizes], held / budget))
-        counts = [float(-(-c // below) - 1) if c >= size else 0.0 for c in sizes]
-        rows.append((counts, float(heavy)))
+        capacity = [float(-(-c // below) - 1) if c >= size else 0.0 for c in sizes]
+        rows.append((capacity, float(heavy)))
     return rows
 
 
 def samples_by_degree(
-    seqlens: Sequence[int], domain: Domain
+    counts: Mapping[int, int], degree: Mapping[int, int]
 ) -> Tuple[Dict[int, int], Dict[int, int]]:
     """Minimum CP size -> (number of samples, their tokens)."""
-    degree = {length: domain.cp_degree(length) for length in set(seqlens)}
     samples: Dict[int, int] = {}
     tokens: Dict[int, int] = {}
-    for length in seqlens:
+    for length, number in counts.items():
         size = degree[length]
-        samples[size] = samples.get(size, 0) + 1
-        tokens[size] = tokens.get(size, 0) + length
+        samples[size] = samples.get(size, 0) + number
+        tokens[size] = tokens.get(size, 0) + length * number
     return samples, tokens
 
 

@@ -47,7 +47,8 @@ the bound against every scheduler's plans under random coefficients).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from collections import Counter
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel, SizeCosts
 from megatron_dcp.scheduling.domain import Domain, is_power_of_two
@@ -64,11 +65,13 @@ def batch_lower_bound(
     if not seqlens:
         return 0.0
     shares = ring_shares(domain, cost)
-    terms: Dict[int, Tuple[float, float]] = {}  # by length: (W_i, share); a batch repeats lengths
+    counts = Counter(seqlens)  # a batch repeats lengths
+    degree = domain.cp_degrees(counts)
+    terms: Dict[int, Tuple[float, float]] = {}  # by length: (W_i, share)
     work = shared = 0.0
     for seqlen in seqlens:
         if seqlen not in terms:
-            size = domain.cp_degree(seqlen)
+            size = degree[seqlen]
             base, rate = shares[size]
             terms[seqlen] = (
                 least_work(cost, seqlen, size, domain.group_sizes),
@@ -79,8 +82,8 @@ def batch_lower_bound(
         shared += share
     count = fewest_microbatches(seqlens, domain, vpp)
     covered = coverage_ring(len(seqlens), count, domain.size, cost)
-    ring = max(shared, covered, group_count_ring(seqlens, domain, cost, count))
-    idle = unpaired_half_idle(seqlens, domain, cost)
+    ring = max(shared, covered, group_count_ring(counts, domain, cost, count, degree))
+    idle = unpaired_half_idle(counts, domain, cost, degree)
     return (work + ring + idle) / domain.size + cost.microbatch * count
 
 
@@ -133,11 +136,17 @@ def coverage_ring(samples: int, microbatches: int, ranks: int, cost: CostModel) 
     return cost.ring_step * ranks * microbatches * max(spread, 0.0)
 
 
-def unpaired_half_idle(seqlens: Sequence[int], domain: Domain, cost: CostModel) -> float:
+def unpaired_half_idle(
+    counts: Mapping[int, int],
+    domain: Domain,
+    cost: CostModel,
+    degree: Optional[Mapping[int, int]] = None,
+) -> float:
     """Least idle time (or CP overhead) summed over ranks that an odd count of *half-domain*
     samples (:func:`is_half_domain`: minimum CP size N/2, N a power of two, more than N/4 ·
-    budget tokens, so that two never share a group of N/2 ranks) forces on every plan; 0 for an
-    even count.
+    budget tokens, so that two never share a group of N/2 ranks) forces on every plan of the
+    samples ``counts`` holds (length -> how many; ``degree``: each length's minimum CP size, when
+    known); 0 for an even count.
 
     Where can a half-domain sample s go? (a) Onto a group of N ranks: it pays
     ``X_s = N · per_rank(L_s, N) − W_s`` more than its least work ``W_s``. (b) Onto one aligned
@@ -157,11 +166,11 @@ def unpaired_half_idle(seqlens: Sequence[int], domain: Domain, cost: CostModel) 
     half = domain.size // 2
     if not is_power_of_two(domain.size) or half not in domain.group_sizes:
         return 0.0
-    degree = {length: domain.cp_degree(length) for length in set(seqlens)}
-    halves = {length for length in degree if is_half_domain(length, degree[length], domain)}
-    if sum(length in halves for length in seqlens) % 2 == 0:
+    degree = degree or domain.cp_degrees(counts)
+    halves = {length for length in counts if is_half_domain(length, degree[length], domain)}
+    if sum(counts[length] for length in halves) % 2 == 0:
         return 0.0
-    shorter = [L for L in seqlens if degree[L] <= half and L not in halves]
+    shorter = {L: n for L, n in counts.items() if degree[L] <= half and L not in halves}
     cap = shorter_group_cap(shorter, degree, domain, cost)
     charges = []
     for length in halves:
@@ -180,19 +189,19 @@ def is_half_domain(seqlen: int, degree: int, domain: Domain) -> bool:
 
 
 def shorter_group_cap(
-    shorter: Sequence[int], degree: Dict[int, int], domain: Domain, cost: CostModel
+    shorter: Mapping[int, int], degree: Mapping[int, int], domain: Domain, cost: CostModel
 ) -> Optional[float]:
-    """The most per-rank cost a group of c ≤ N/2 ranks can carry holding only ``shorter``
-    samples (:func:`unpaired_half_idle`), the largest over sizes of
+    """The most per-rank cost a group of c ≤ N/2 ranks can carry holding only the ``shorter``
+    samples (length -> how many; :func:`unpaired_half_idle`), the largest over sizes of
     ``T · per_rank(ℓ, c) / ℓ + ring_cost(c)``: ℓ the longest of them that fits c ranks, T the
     least of c · budget and their tokens. None when there are none (a half is then covered by a
     half-domain sample or not at all)."""
     longest: Dict[int, int] = {}  # by minimum CP size: the longest sample and the tokens
     tokens: Dict[int, int] = {}
-    for length in shorter:
+    for length, number in shorter.items():
         size = degree[length]
         longest[size] = max(longest.get(size, 0), length)
-        tokens[size] = tokens.get(size, 0) + length
+        tokens[size] = tokens.get(size, 0) + length * number
     cap: Optional[float] = None
     most = total = 0
     for size in domain.group_sizes:

@@ -56,7 +56,7 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
 
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         ctx = Context(self.domain, self.cost_model, self.knobs)
-        degree = {length: self.domain.cp_degree(length) for length in set(seqlens)}
+        degree = self.domain.cp_degrees(seqlens)
         items = list(map(Item, range(len(seqlens)), seqlens, map(degree.__getitem__, seqlens)))
         vpp = self.microbatch_group_size_per_vp_stage
         best = searched_plan(ctx, items, vpp)

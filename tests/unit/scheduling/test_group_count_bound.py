@@ -3,6 +3,8 @@ dual with, the repair that keeps its value a bound whatever the float error, a c
 exact and the other two ring bounds are not, and the inequality itself against every
 scheduler's plans under random coefficients and node tiers."""
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +33,7 @@ def test_a_repaired_dual_stays_below_every_plan():
     """Multipliers pushed off the optimum (too large, or negative) are made feasible before
     they are valued: the value never exceeds the ring cost of a real plan."""
     domain, lengths = Domain(4, 1, 10), [2, 39, 12]
-    rows = constraint_rows(lengths, domain, 2)
+    rows = constraint_rows(Counter(lengths), domain, 2, domain.cp_degrees(lengths))
     weights = [size * RING.ring_cost(size) for size in domain.group_sizes]
     columns = [[row[0][c] for row in rows] for c in range(len(weights))]
     best = maximize([row[1] for row in rows], columns, weights)
@@ -53,7 +55,7 @@ def test_few_samples_and_a_long_one_are_priced_exactly():
     )
     assert shared == pytest.approx(138.0)
     assert coverage_ring(len(lengths), count, domain.size, RING) == pytest.approx(400 / 3)
-    assert group_count_ring(lengths, domain, RING, count) == pytest.approx(160.0)
+    assert group_count_ring(Counter(lengths), domain, RING, count) == pytest.approx(160.0)
     plan = build_scheduler(
         "default_dynamic_cp",
         dp_size=4,
@@ -80,5 +82,5 @@ def test_no_plan_pays_less_ring_than_the_bound(name, data, cost):
         return
     count = fewest_microbatches(plan.seqlens, plan.domain, plan.microbatch_group_size_per_vp_stage)
     paid = sum(g.size * cost.ring_cost(g.size) for mb in plan.microbatches for g in mb.groups)
-    bound = group_count_ring(plan.seqlens, plan.domain, cost, count)
+    bound = group_count_ring(Counter(plan.seqlens), plan.domain, cost, count)
     assert bound <= paid * (1 + 1e-9) + 1e-9
