@@ -99,7 +99,7 @@ def search_chosen(ctx: Context, drafts: List[MicroBatchDraft], samples: int, bou
     """On the chosen plan (batches of at most ``knobs.search_samples`` samples): polish each
     micro-batch, re-form pairs of micro-batches unless the plan is within ``knobs.good_plan`` of
     the lower ``bound``, swap CP blocks, then relocate and swap again, breaking ties; last, rounds
-    of tiled-block swaps (:func:`relocate_with_block_swaps`). Batches of up to
+    of tiled-block swaps (:func:`swap_tiles`, until one is not kept). Batches of up to
     ``knobs.polish_samples`` samples get the polish of their imbalanced micro-batches only
     (:func:`~.microbatch_search.polish_imbalanced`)."""
     if samples > ctx.knobs.search_samples:
@@ -110,22 +110,21 @@ def search_chosen(ctx: Context, drafts: List[MicroBatchDraft], samples: int, bou
     if draft_critical_path(ctx, drafts) > ctx.knobs.good_plan * bound:
         improve_plan(ctx, drafts, ReformPair)
     relocate_with_block_swaps(ctx, drafts)
+    for _ in range(ctx.knobs.tile_rounds):
+        if not swap_tiles(ctx, drafts):
+            break
 
 
 def relocate_with_block_swaps(ctx: Context, drafts: List[MicroBatchDraft]) -> None:
     """Relocate and swap samples, breaking ties, on ``drafts`` and on a copy whose CP blocks were
     swapped first; the copy replaces ``drafts`` when it ends shorter: the final relocate is
-    greedy, and from the swapped plan it can end longer than from the plan without the swaps.
-    Then at most ``knobs.tile_rounds`` rounds of :func:`swap_tiles`, until one is not kept."""
+    greedy, and from the swapped plan it can end longer than from the plan without the swaps."""
     swapped = [[copy_group(g) for g in draft] for draft in drafts]
     improve_plan(ctx, swapped, BlockSwap)
     improve_plan(ctx, drafts, TieBreak)
     improve_plan(ctx, swapped, TieBreak)
     if draft_critical_path(ctx, swapped) < draft_critical_path(ctx, drafts):
         drafts[:] = swapped
-    for _ in range(ctx.knobs.tile_rounds):
-        if not swap_tiles(ctx, drafts):
-            break
 
 
 def swap_tiles(ctx: Context, drafts: List[MicroBatchDraft]) -> bool:
