@@ -65,7 +65,8 @@ class TileSwap:
         drafts, ctx = self.drafts, self.ctx
         draft = drafts[index]
         top = max(draft, key=lambda g: (g.load, g.block.start))
-        best: Optional[Tuple[float, int, int, int, float]] = None
+        # (gain, the other micro-batch, the two blocks' starts, their size, its peak)
+        best: Optional[Tuple[float, int, int, int, int, float]] = None
         size, peaks = top.size, [peak(d) for d in drafts]
         while size <= ctx.domain.size // 2:
             start = top.block.start // size * size
