@@ -90,10 +90,11 @@ def _attend(
 ) -> torch.Tensor:
     """Masked softmax attention; ``query`` [sq, h, d], ``key``/``value`` [sk, h, d], ``mask``
     [sq, sk] (True = may attend). Rows with no allowed key give zeros instead of NaN."""
-    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
+    compute = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64
+    scores = torch.einsum("qhd,khd->hqk", query.to(compute), key.to(compute)) * scale
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1) * mask
-    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, value.to(compute)).to(query.dtype)
 
 
 def _repeat_kv(tensor: torch.Tensor, heads: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ count and full gradients (see ``testing.gpt.single_process_reference``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from megatron_dcp.testing.overlap import (
     install_schedule_hooks,
     use_p2p_overlap,
 )
+from megatron_dcp.testing.precision import ExactRun, exact_run, to_float64
 
 
 @dataclass(frozen=True)
@@ -216,13 +217,28 @@ def dcp_training_run(
 
 def reference_training_run(
     rank: int, world_size: int, batches: Sequence[Sequence[Sample]], options: TinyGPTOptions
-) -> dict[str, torch.Tensor]:
+) -> ExactRun:
     """The oracle of ``dcp_training_run``: one process, samples one by one (no packing, no CP),
-    the same DDP, token-count scaling and Adam."""
+    the same DDP, token-count scaling and Adam; the weights afterwards in float64, with what the
+    same run in float32 differs from them by (each batch's samples in two orders; see
+    ``testing.precision``)."""
+    init_megatron(seed=options.seed)
+    exact = _reference_training_pass(batches, options, to_float64)
+    float32_runs = [
+        (0.0, _reference_training_pass([batch[::-1] for batch in batches], options)),
+        (0.0, _reference_training_pass(batches, options)),
+    ]
+    return exact_run(0.0, exact, float32_runs)
+
+
+def _reference_training_pass(
+    batches: Sequence[Sequence[Sample]],
+    options: TinyGPTOptions,
+    convert: Callable[[torch.nn.Module], torch.nn.Module] = lambda model: model,
+) -> dict[str, torch.Tensor]:
     from megatron.core.distributed import finalize_model_grads
 
-    init_megatron(seed=options.seed)
-    chunks = build_tiny_gpt(options=options)
+    chunks = [convert(chunk) for chunk in build_tiny_gpt(options=options)]
     models, optimizer = with_ddp_and_adam(chunks)
     for samples in batches:
         models[0].zero_grad_buffer()

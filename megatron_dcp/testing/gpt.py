@@ -30,6 +30,7 @@ from megatron_dcp.testing.moe import (
     moe_fields,
     tensor_parallel_group,
 )
+from megatron_dcp.testing.precision import ExactRun, exact_run, to_float64
 from megatron_dcp.tools.local_ranks import run_distributed
 
 import_megatron_core()
@@ -77,11 +78,14 @@ class TinyGPTOptions:
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceResult:
-    """Summed loss, number of loss-carrying tokens and full gradients by global parameter name."""
+    """Summed loss, number of loss-carrying tokens and full gradients by global parameter name,
+    of the float32 run; ``exact``: the same run in float64 with the float32 runs' rounding error
+    (``testing.precision``), which the oracle's tolerances are derived from."""
 
     loss_sum: float
     num_tokens: int
     grads: dict[str, torch.Tensor] = dataclasses.field(repr=False)
+    exact: Optional[ExactRun] = dataclasses.field(default=None, repr=False)
 
 
 def tiny_gpt_config(
@@ -347,13 +351,48 @@ def unpacked_loss_and_backward(
     return total, tokens
 
 
+LossAndBackward = Callable[[torch.nn.Module, Sequence[Sample]], tuple[float, int]]
+
+
+def reference_passes(
+    samples: Sequence[Sample],
+    options: TinyGPTOptions,
+    before_pass: Callable[[], None] = lambda: None,
+    run: Optional[LossAndBackward] = None,
+) -> ReferenceResult:
+    """The oracle in this process (after ``init_megatron``), three times on fresh models: in
+    float64, in float32 on the samples in reverse order, and in float32 as given (last, so that
+    state a pass leaves behind, such as megatron's MoE loss tracker, is the float32 run's;
+    ``before_pass`` runs before each, e.g. to clear it). ``run``: the forward-backward of the
+    samples (default: each on its own, ``unpacked_loss_and_backward``). The float32 run is the
+    result, the other two measure its rounding (``ExactRun``)."""
+    run = run or unpacked_loss_and_backward
+    before_pass()
+    exact_loss, _, exact = _reference_pass(samples, options, run, to_float64)
+    before_pass()
+    reordered_loss, _, reordered = _reference_pass(samples[::-1], options, run)
+    before_pass()
+    loss_sum, num_tokens, grads = _reference_pass(samples, options, run)
+    runs = [(loss_sum, grads), (reordered_loss, reordered)]
+    return ReferenceResult(loss_sum, num_tokens, grads, exact_run(exact_loss, exact, runs))
+
+
+def _reference_pass(
+    samples: Sequence[Sample],
+    options: TinyGPTOptions,
+    run: LossAndBackward,
+    convert: Callable[[torch.nn.Module], torch.nn.Module] = lambda model: model,
+) -> tuple[float, int, dict[str, torch.Tensor]]:
+    (model,) = build_tiny_gpt(options=options)
+    loss_sum, num_tokens = run(convert(model), samples)
+    return float(loss_sum), num_tokens, gather_full_tensors([model])
+
+
 def _reference_worker(
     rank: int, world_size: int, samples: Sequence[Sample], options: TinyGPTOptions
 ) -> ReferenceResult:
     init_megatron(seed=options.seed)
-    (model,) = build_tiny_gpt(options=options)
-    loss_sum, num_tokens = unpacked_loss_and_backward(model, samples)
-    return ReferenceResult(loss_sum, num_tokens, gather_full_tensors([model]))
+    return reference_passes(list(samples), options)
 
 
 def single_process_reference(

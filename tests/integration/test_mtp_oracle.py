@@ -30,6 +30,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     make_samples,
     packed_loss_and_backward,
     packed_token_losses,
+    reference_passes,
 )
 from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
 
@@ -44,9 +45,7 @@ def options(depth: int) -> TinyGPTOptions:
 def one_microbatch_reference(rank: int, world_size: int, samples, depth: int) -> ReferenceResult:
     """The whole batch as one packed micro-batch, one process, no CP."""
     init_megatron(seed=options(depth).seed)
-    (model,) = build_tiny_gpt(options=options(depth))
-    loss, num_tokens = packed_loss_and_backward(model, samples)
-    return ReferenceResult(float(loss), num_tokens, gather_full_tensors([model]))
+    return reference_passes(samples, options(depth), run=packed_loss_and_backward)
 
 
 def dcp_step(rank: int, world_size: int, samples, depth: int, cp: int, megatron_rule: bool):
@@ -159,8 +158,11 @@ def dcp_mtp_terms(rank: int, world_size: int, samples, depth: int) -> list:
 
 
 def reference_mtp_terms(rank: int, world_size: int, samples, depth: int) -> list:
+    """megatron's single-process MTP terms: one float32 pass of the whole batch, packed."""
     sums = record_mtp_terms(depth)
-    one_microbatch_reference(rank, world_size, samples, depth)
+    init_megatron(seed=options(depth).seed)
+    (model,) = build_tiny_gpt(options=options(depth))
+    packed_loss_and_backward(model, samples)
     return sums
 
 
