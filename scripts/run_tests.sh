@@ -16,4 +16,5 @@ if [ ${#dirs[@]} -eq 0 ]; then
   echo "run_tests: no test files found under tests/ or functional_tests/" >&2
   exit 1
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "${dirs[@]}" "$@"
+# --durations=15: the slowest fifteen tests close the output, where a slower suite shows first.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "${dirs[@]}" "$@"
