@@ -7,7 +7,8 @@ Everything is megatron's own ``pretrain`` loop (checkpointing, logging, optimize
 DCP adds its flags, a variable-length dataset, and replaces the forward-backward function with
 the DCP wrapper. Without CUDA the CPU backend is chosen automatically and says so once.
 A start-up error (a DCP flag, a model setting DCP refuses) is one line, ``error: ...``, printed
-by rank 0 before megatron's argument dump; the run exits with status 2 and no traceback.
+by rank 0 before megatron's argument dump; the run exits with status 2 and no traceback, and
+under torchrun the same line is the root cause of torchrun's failure summary.
 
 The scheduler plans with the trained model's cost model (its shape from the flags, on the
 backend's hardware profile; ``--dcp-cost-profile`` for a calibrated one), refined after every

@@ -10,7 +10,8 @@ register a stand-in for exactly that one module; triton itself is never faked (a
 Every entry point that may be a process's first megatron import goes through here: the training
 entry points, the test fixtures, and the RL entry points (:func:`require_megatron_core`, called by
 ``megatron_dcp.install_upstream_api()`` before it touches megatron, and so by
-``megatron_dcp.verl_plugin``).
+``megatron_dcp.verl_plugin``). Before that first import, on a machine without CUDA, megatron's
+warnings that Transformer Engine and Apex are missing are filtered (``cpu.fallback_warnings``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+
+from megatron_dcp.integration.cpu.fallback_warnings import ignore_missing_te_apex_warnings
 
 PAGED_STASH_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -42,9 +45,12 @@ def _paged_stash_stand_in() -> types.ModuleType:
 
 def import_megatron_core() -> bool:
     """Import ``megatron.core`` (idempotent); True when it is available, False when not installed
-    or not importable. Registers the paged-stash stand-in only when triton cannot be imported."""
-    if "megatron.core" not in sys.modules and not _triton_importable():
-        sys.modules.setdefault(PAGED_STASH_MODULE, _paged_stash_stand_in())
+    or not importable. Registers the paged-stash stand-in only when triton cannot be imported;
+    without CUDA, ignores megatron's warnings that Transformer Engine and Apex are missing."""
+    if "megatron.core" not in sys.modules:
+        ignore_missing_te_apex_warnings()
+        if not _triton_importable():
+            sys.modules.setdefault(PAGED_STASH_MODULE, _paged_stash_stand_in())
     try:
         importlib.import_module("megatron.core")
     except ImportError:

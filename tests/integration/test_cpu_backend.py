@@ -1,11 +1,14 @@
 """CPU backend shims, the tiny-GPT fixtures, and the headline check: a megatron GPT on packed THD
 samples with static CP (cp2, tp2·cp2) equals the single-process, un-packed, no-CP run."""
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_dcp.integration.cpu.core_attention import ReferenceCoreAttention, with_core_attention
+from megatron_dcp.integration.cpu.fallback_warnings import ignore_missing_te_apex_warnings
 from megatron_dcp.integration.patches import (
     cpu_backend_enabled,
     disable_cpu_backend,
@@ -58,6 +61,29 @@ def test_cuda_rng_is_the_cpu_generator(cpu_backend):
     first = torch.rand(4)
     torch.cuda.set_rng_state(state)
     assert torch.equal(first, torch.rand(4))
+
+
+def warning_shown(message: str, module: str) -> bool:
+    """Whether ``message``, warned from ``module``, is shown once the CPU backend's filter is in
+    place (every warning shown otherwise); the filters are restored afterwards."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ignore_missing_te_apex_warnings()
+        warnings.warn_explicit(message, UserWarning, "module.py", 1, module=module)
+    return len(seen) == 1
+
+
+def test_only_megatrons_warnings_that_te_and_apex_are_missing_are_muted(monkeypatch):
+    optimizers = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
+    moe = "Only transformer-engine>=1.7.0 supports MoE experts, but your version is {}. Use local "
+    assert not warning_shown(optimizers, "megatron.core.optimizer")
+    assert not warning_shown("Apex is not installed. Falling back to Torch Norm", "megatron.core")
+    assert not warning_shown(moe.format("0.0.0"), "megatron.core.extensions.te_spec_provider")
+    assert warning_shown(moe.format("1.6.0"), "megatron.core.extensions.te_spec_provider")
+    assert warning_shown(optimizers, "another_package")
+    assert warning_shown("absl.logging is not installed.", "megatron.core.hyper_comm_grid")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert warning_shown(optimizers, "megatron.core.optimizer")
 
 
 def test_disable_restores_torch_cuda():

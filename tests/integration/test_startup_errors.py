@@ -1,7 +1,10 @@
-"""Start-up errors of ``megatron_dcp.pretrain_gpt`` as a user sees them (issue 29): a refused DCP
-setting is one line from rank 0, before megatron's argument dump, the last line the worker
-prints, with no traceback; a typo in a flag or a choice prints argparse's one line with "did you
-mean" and the DCP flags' usage, not megatron's 1,500 lines."""
+"""Start-up errors of ``megatron_dcp.pretrain_gpt`` as a user sees them (issues 29 and 38): a
+refused DCP setting is one line from rank 0, before megatron's argument dump, the last line the
+worker prints, with no traceback, and under torchrun the root cause of torchrun's failure summary
+(the last block it prints); a typo in a flag or a choice prints argparse's one line with "did you
+mean" and the DCP flags' usage, not megatron's 1,500 lines. The torchrun launch keeps Python's
+warnings on, as a user has them: on CPU megatron's warnings that Transformer Engine and Apex are
+missing are not among them."""
 
 import subprocess
 import sys
@@ -37,6 +40,22 @@ TOO_LARGE_MIN_CP = (
 )
 
 
+# Python's warnings as a user has them (worker_env turns them off), but for megatron's notice that
+# absl is missing (not about Transformer Engine or Apex, so shown on CPU too).
+WARNINGS_ON = {**worker_env(), "PYTHONWARNINGS": "ignore:absl.logging is not installed"}
+MISSING_TE_APEX = ("Transformer Engine and Apex are not installed", "Apex is not", "MoE experts")
+ROOT_CAUSE = "Root Cause (first observed failure):\n"
+
+
+def root_cause(summary: str) -> str:
+    """The root-cause block of torchrun's failure summary, which must be the last thing printed:
+    from its heading to the closing rule (the last line)."""
+    _, heading, block = summary.rpartition(ROOT_CAUSE)
+    lines = block.splitlines()
+    assert heading and lines and set(lines[-1]) == {"="}, summary[-2000:]
+    return "\n".join(lines[:-1])
+
+
 def worker_files(log_dir: Path) -> dict:
     """(local rank, "stdout" | "stderr") -> what that worker printed (torchrun --redirects 3)."""
     files = {}
@@ -45,16 +64,18 @@ def worker_files(log_dir: Path) -> dict:
     return files
 
 
-def test_a_refused_dcp_flag_is_one_line_from_rank_0_without_traceback(tmp_path):
+def test_a_refused_dcp_flag_is_one_line_from_rank_0_and_torchruns_root_cause(tmp_path):
     """torchrun, 2 ranks, --min-dynamic-context-parallel-size larger than the DP×CP domain: rank 0
-    prints the cause and nothing else, rank 1 prints nothing, no worker prints a traceback or
-    megatron's argument dump; torchrun reports rank 0's exit status 2."""
+    prints the cause and nothing else (no warning that Transformer Engine or Apex is missing),
+    rank 1 prints nothing, no worker prints a traceback or megatron's argument dump; the root
+    cause of torchrun's summary, the last block it prints, is rank 0 with exit status 2 and the
+    cause's line."""
     flags = {**TINY, "--context-parallel-size": 2, "--min-dynamic-context-parallel-size": 4}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     command += [f"--log-dir={tmp_path / 'logs'}", "--redirects=3"]
     command += ["-m", "megatron_dcp.pretrain_gpt", *flag_list(flags)]
     done = subprocess.run(
-        command, env=worker_env(), capture_output=True, text=True, timeout=240, check=False
+        command, env=WARNINGS_ON, capture_output=True, text=True, timeout=240, check=False
     )
     assert done.returncode != 0
     files = worker_files(tmp_path / "logs")
@@ -62,11 +83,14 @@ def test_a_refused_dcp_flag_is_one_line_from_rank_0_without_traceback(tmp_path):
     everything = "".join(files.values())
     assert "Traceback" not in everything
     assert ARGUMENT_DUMP not in everything
+    assert not any(warning in everything for warning in MISSING_TE_APEX)
     assert everything.count("--min-dynamic-context-parallel-size=4") == 1
     # Nothing on rank 0's stdout: the last line of its stderr is the last line it printed.
     assert files[0, "stdout"] == "" and files[0, "stderr"].splitlines() == [TOO_LARGE_MIN_CP]
     assert files[1, "stdout"] == files[1, "stderr"] == ""
-    assert "exitcode  : 2" in done.stdout + done.stderr
+    cause = root_cause(done.stderr)
+    assert "rank      : 0 (local_rank: 0)" in cause and "exitcode  : 2 " in cause
+    assert cause.endswith(f"traceback : {TOO_LARGE_MIN_CP}")
 
 
 def test_a_refused_model_setting_is_the_last_line_before_megatron_prints_anything(tmp_path):
@@ -140,6 +164,38 @@ def test_b_only_rank_0_prints_a_typo(pretrain_gpt, capsys, monkeypatch):
     monkeypatch.setattr("megatron_dcp.integration.training.startup_errors.RANK0_GRACE_S", 0.0)
     assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100") == 2
     assert capsys.readouterr() == ("", "")
+
+
+def test_b_each_nodes_first_worker_gives_torchrun_the_error_line(
+    pretrain_gpt, capsys, monkeypatch, tmp_path
+):
+    """A typo, refused in-process as a worker would be: the worker with LOCAL_RANK 0 (rank 0, or
+    the first of another node) writes its line to TORCHELASTIC_ERROR_FILE, where torch's failure
+    summary reads it as the root cause, ahead of a rank that torchrun stopped; the others write
+    nothing."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setattr("megatron_dcp.integration.training.startup_errors.RANK0_GRACE_S", 0.0)
+    written = {}
+    for rank, local_rank in (("1", "1"), ("2", "0"), ("0", "0")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100") == 2
+        written[rank] = error_file.exists() and error_file.read_text()
+        error_file.unlink(missing_ok=True)
+    assert written["1"] is False and written["0"] and written["2"] == written["0"]
+    error_file.write_text(written["0"])
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.endswith("did you mean 'h100-nvlink'?")
+    stopped = ProcessFailure(local_rank=1, pid=2, exitcode=-15, error_file=str(tmp_path / "none"))
+    refused = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    # In the order torchrun sees them fail: rank 0 exits, then torchrun stops rank 1.
+    summary = ChildFailedError("megatron_dcp.pretrain_gpt", {0: refused, 1: stopped}).format_msg()
+    assert refused.timestamp <= stopped.timestamp
+    cause = root_cause(summary)
+    assert "rank      : 0 (local_rank: 0)" in cause and cause.endswith(f"traceback : {line}")
 
 
 def test_help_lists_every_flag_despite_megatrons_percent_sign(pretrain_gpt, capsys):

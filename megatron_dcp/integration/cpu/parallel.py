@@ -97,5 +97,6 @@ def cpu_notice() -> str:
     """The start-up line of a training run on the CPU backend."""
     return (
         "megatron_dcp: no CUDA device, using the CPU backend (gloo, fp32, reference THD/CP "
-        "attention); see docs/cpu_backend.md"
+        "attention, megatron's torch fallbacks for Transformer Engine and Apex: their warnings "
+        "muted); see docs/cpu_backend.md"
     )

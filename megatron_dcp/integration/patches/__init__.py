@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from typing import List, Sequence, Tuple
 
+from megatron_dcp.integration.cpu.fallback_warnings import ignore_missing_te_apex_warnings
 from megatron_dcp.integration.megatron_dev_api import INSTALL, dynamic_groups_created
 from megatron_dcp.integration.megatron_import import require_megatron_core
 from megatron_dcp.integration.patches.backward_timing import TIMING_PATCHES, timed, timing_backward
@@ -108,6 +109,7 @@ def enable_cpu_training() -> bool:
     True when the CPU backend is active."""
     apply_groups(("training", "cpu_backend", "cpu_training"))
     if cpu_backend_enabled():
+        ignore_missing_te_apex_warnings()  # in place already when megatron_import imported it
         # Argument validation requires it for tp or cp > 1 (it orders CUDA kernel launches).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return cpu_backend_enabled()

@@ -12,6 +12,17 @@ the last line the worker prints, and no traceback.
 - An argparse error (a typo in a choice value or in a flag name) prints a usage of the DCP flags
   only, not megatron's 1,500 lines, then argparse's one-line error with "did you mean ...?" for a
   near miss (:class:`EntryParser`); ``--help`` lists every flag (megatron's too).
+- Under torchrun the refusal's line is also torchrun's "Root Cause", the last block it prints
+  (:func:`record_for_launcher`). torchrun gives each worker an error file
+  (``TORCHELASTIC_ERROR_FILE``), which torch's ``errors.record`` fills with an uncaught
+  exception's traceback; a refusal is an exit, not an exception, so ``record`` writes nothing and
+  the summary said only "To enable traceback see: ...". Each node's first worker (``LOCAL_RANK``
+  0: rank 0 on the first node) writes the line there itself, in ``record``'s format, as it
+  refuses. torchrun's root cause is the failure with the earliest time (in seconds; a tie goes to
+  the worker seen failing first): the time in the file, or for a worker without one the time
+  torchrun saw it fail. The node's other workers are still in their grace period when the writer
+  refuses, so the writer is the root cause, and a node whose summary lists its workers shows the
+  same line. Without torchrun (no error file) nothing is written.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import json
 import os
 import re
 import shutil
@@ -31,14 +43,17 @@ from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence, 
 STARTUP_EXIT_STATUS = 2  # argparse's status for a command-line error
 # How long the other ranks outlive a refusal: rank 0, which prints it, exits first.
 RANK0_GRACE_S = 20.0
+# Where torchrun asks each worker to write its error (torch.distributed.elastic's ErrorHandler).
+ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
 INVALID_CHOICE = re.compile(r"invalid choice: (?P<value>'[^']*'|\"[^\"]*\")")
 CHOICES = re.compile(r"\(choose from (?P<choices>.*)\)\s*$")
 
 
-def launch_rank() -> int:
-    """This process's global rank as the launcher set it (torchrun's ``RANK``; 0 alone)."""
+def launch_rank(variable: str = "RANK") -> int:
+    """This process's rank as the launcher set it: torchrun's ``RANK`` (global) or ``LOCAL_RANK``
+    (on its node); 0 without a launcher."""
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get(variable, "0"))
     except ValueError:
         return 0
 
@@ -47,15 +62,35 @@ def refuse(message: str) -> NoReturn:
     """Print ``error: message`` on rank 0, after whatever was printed before it, and exit with
     status 2 (no traceback)."""
     sys.stdout.flush()
+    line = f"error: {message}"
     if launch_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    exit_refused()
+        print(line, file=sys.stderr, flush=True)
+    exit_refused(line)
 
 
-def exit_refused(grace_s: Optional[float] = None) -> NoReturn:
-    """Exit with status 2. A rank other than 0 waits ``grace_s`` first (default
-    :data:`RANK0_GRACE_S`): torchrun stops every rank once one has exited, and the rank that
-    prints the cause must not be stopped before it has printed it."""
+def record_for_launcher(line: str) -> None:
+    """On each node's first worker, ``line`` as this worker's error in the file torchrun reads
+    (``TORCHELASTIC_ERROR_FILE``; the JSON that ``torch.distributed.elastic.multiprocessing.errors
+    .record`` writes, without a call stack): torchrun's failure summary shows it as the root
+    cause. Nothing without the variable (no torchrun); a file that cannot be written is skipped
+    (the refusal is printed and exits with status 2 all the same)."""
+    path = os.environ.get(ERROR_FILE_VARIABLE)
+    if not path or launch_rank("LOCAL_RANK") != 0:
+        return
+    error = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(error, file)
+    except OSError:
+        pass
+
+
+def exit_refused(line: str, grace_s: Optional[float] = None) -> NoReturn:
+    """Give torchrun ``line``, the refusal (:func:`record_for_launcher`), and exit with status 2.
+    A rank other than 0 waits ``grace_s`` first (default :data:`RANK0_GRACE_S`): torchrun stops
+    every rank once one has exited, and the rank that prints the cause must not be stopped before
+    it has printed it."""
+    record_for_launcher(line)
     if launch_rank() != 0:
         time.sleep(RANK0_GRACE_S if grace_s is None else grace_s)
     raise SystemExit(STARTUP_EXIT_STATUS)
@@ -147,11 +182,11 @@ class EntryParser:
     def fail(self, message: str, suggestion: Optional[str]) -> NoReturn:
         """The usage, then ``prog: error: message; did you mean X?`` (the last line)."""
         hint = f"; did you mean {suggestion}?" if suggestion else ""
+        error = f"{self.parser.prog}: error: {message}{hint}"
         if launch_rank() == 0:
             usage = self.usage().rstrip("\n")
-            error = f"{self.parser.prog}: error: {message}{hint}"
             print(f"{usage}\n{error}", file=sys.stderr, flush=True)
-        exit_refused()
+        exit_refused(error)
 
     def near_flags(self, unknown: Sequence[str]) -> Optional[str]:
         """The known flag nearest to the first unknown one that resembles a flag, if near."""
