@@ -62,10 +62,10 @@ def test_hybrid_step_equals_single_process(samples, reference, layout):
     options = STAGED if pp > 1 else OPTIONS
     step = partial(dcp_training_step, tp=tp, pp=pp, cp=cp, budget=budget, options=options)
     results = run_distributed(step, 4, samples, timeout_s=240)
+    assert_covers(results, Layout(tp=tp, pp=pp, dp=4 // (tp * pp * cp), cp=cp))  # a mix
     for result in results:
         assert_step_matches(result, reference(OPTIONS), scaled_atol=True)
         assert any(".mixer." in name for name in result.grads)
-    assert_covers(results, Layout(tp=tp, pp=pp, dp=4 // (tp * pp * cp), cp=cp))  # a mix
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -73,9 +73,9 @@ def test_static_cp_equals_single_process(samples, reference, cp):
     """dp_balanced: every sequence on the static CP group (budget 100: CP 2 holds 200 tokens)."""
     step = partial(dcp_training_step, cp=cp, budget=100, options=OPTIONS, scheduler="dp_balanced")
     results = run_distributed(step, 4, samples, timeout_s=240)
+    assert_covers(results, Layout(dp=4 // cp, cp=cp), cp_sizes={cp})
     for result in results:
         assert_step_matches(result, reference(OPTIONS), scaled_atol=True)
-    assert_covers(results, Layout(dp=4 // cp, cp=cp), cp_sizes={cp})
 
 
 def test_weights_after_three_adam_steps_equal_single_process():
@@ -83,6 +83,6 @@ def test_weights_after_three_adam_steps_equal_single_process():
     (expected,) = run_distributed(reference_training_run, 1, batches, OPTIONS, timeout_s=240)
     run = partial(dcp_training_run, cp=2, budget=64, options=OPTIONS)
     results = run_distributed(run, 4, batches, timeout_s=240)
+    assert_covers(results, Layout(dp=2, cp=2))
     for result in results:
         assert_weights_match(result.weights, expected)
-    assert_covers(results, Layout(dp=2, cp=2))

@@ -122,10 +122,10 @@ def run_step(layout: ParallelLayout, samples, scheduler: str, budget: int, min_c
 def test_dcp_step_equals_single_process(layout, scheduler, samples, reference_of):
     """DCP plans mixing CP sizes; static CP (``dp_balanced``) on its CP size alone."""
     results = run_step(layout, samples, scheduler, budget_for(layout))
-    for result in results:
-        assert_step_matches(result, reference_of(layout.options))
     static = {layout.cp} if scheduler == "dp_balanced" else None
     assert_covers(results, layout.claimed, cp_sizes=static)
+    for result in results:
+        assert_step_matches(result, reference_of(layout.options))
 
 
 @pytest.mark.parametrize("min_cp_size", [1, 2])
@@ -135,10 +135,10 @@ def test_groups_smaller_and_larger_than_static_cp_in_one_step(min_cp_size, sampl
     of 2 next to smaller or equal ones — an input static CP cannot run at all."""
     layout = ParallelLayout(cp=2, world=4)
     results = run_step(layout, samples, "default_dynamic_cp", 64, min_cp_size)
+    assert_covers(results, layout.claimed, mix_of={4})
     for result in results:
         assert_step_matches(result, reference)
         assert min(result.cp_sizes) >= min_cp_size
-    assert_covers(results, layout.claimed, mix_of={4})
 
 
 def test_weights_after_three_adam_steps_equal_single_process():
@@ -151,9 +151,9 @@ def test_weights_after_three_adam_steps_equal_single_process():
     results = run_distributed(
         partial(dcp_training_run, cp=2, budget=64, options=OPTIONS), 4, batches, timeout_s=240
     )
+    assert_covers(results, ParallelLayout(cp=2, world=4).claimed)
     for result in results:
         assert_weights_match(result.weights, expected)
-    assert_covers(results, ParallelLayout(cp=2, world=4).claimed)
 
 
 def test_non_power_of_two_domain():
@@ -163,10 +163,10 @@ def test_non_power_of_two_domain():
     expected = single_process_reference(six, OPTIONS)
     layout = ParallelLayout(cp=2, world=6)
     results = run_step(layout, six, "default_dynamic_cp", 32)
-    for result in results:
-        assert_step_matches(result, expected)
     assert_covers(results, layout.claimed)
     assert any(size > 2 for size in results[0].cp_sizes)
+    for result in results:
+        assert_step_matches(result, expected)
 
 
 def sft_masked(samples):
@@ -200,6 +200,6 @@ def test_sft_masks_divide_by_the_assistant_tokens(layout, samples):
     expected = single_process_reference(masked, layout.options)
     assert expected.num_tokens == sum(int(s["loss_mask"].sum()) for s in masked)
     results = run_step(layout, masked, "default_dynamic_cp", budget_for(layout))
+    assert_covers(results, layout.claimed)
     for result in results:
         assert_step_matches(result, expected)
-    assert_covers(results, layout.claimed)

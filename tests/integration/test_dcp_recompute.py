@@ -124,11 +124,11 @@ def run_recompute_step(
 def assert_equal_with_mixed_cp(
     results: list[tuple[DCPStepResult, dict]], reference, layout: Layout
 ) -> None:
-    """Every rank's step equals ``reference``; the plan mixes CP size 1 with the largest."""
-    for result, _ in results:
-        assert_step_matches(result, reference)
+    """The plan mixes CP size 1 with the largest; every rank's step equals ``reference``."""
     ran = [result for result, _ in results]
     plan_coverage.assert_covers(ran, layout.claimed, mix_of={1, layout.largest})
+    for result, _ in results:
+        assert_step_matches(result, reference)
 
 
 FULL = [("uniform", 1), ("uniform", 2), ("block", 1), ("block", 2)]

@@ -82,6 +82,6 @@ def test_weights_after_three_adam_steps_equal_single_process(
         dcp_training_run, tp=tp, cp=2, budget=budget, options=options, distributed_optimizer=True
     )
     results = run_distributed(run, 4, batches, timeout_s=240)
+    assert_covers(results, Layout(tp=tp, dp=2 // tp, cp=2))  # plans mixing CP sizes
     for result in results:
         assert_weights_match(result.weights, expected)
-    assert_covers(results, Layout(tp=tp, dp=2 // tp, cp=2))  # plans mixing CP sizes

@@ -88,10 +88,10 @@ def test_mtp_gradients_equal_single_process(samples, reference, depth, cp):
     sizes (a whole-domain group beside smaller ones)."""
     step = partial(dcp_step, depth=depth, cp=cp, megatron_rule=False)
     results = run_distributed(step, 4, samples, timeout_s=180)
+    assert_covers(results, Layout(dp=4 // cp, cp=cp), mix_of={4})
     for result in results:
         assert_step_matches(result, reference(depth))
         assert any(name.startswith("mtp.") for name in result.grads)
-    assert_covers(results, Layout(dp=4 // cp, cp=cp), mix_of={4})
 
 
 def test_megatron_rule_depends_on_the_packing(samples, reference):

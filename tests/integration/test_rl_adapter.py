@@ -202,9 +202,9 @@ CASES = [
 @pytest.mark.parametrize("lengths, world, cp, budget, cp_sizes", CASES)
 def test_gradients_and_log_probs_equal_single_process(lengths, world, cp, budget, cp_sizes):
     results, reference = run_adapter(lengths, world, cp, budget)
+    assert_covers(results, Layout(dp=world // cp, cp=cp), cp_sizes=cp_sizes)
     assert_matches_reference(results, reference)
     assert_no_failure_mode(results, len(lengths))
-    assert_covers(results, Layout(dp=world // cp, cp=cp), cp_sizes=cp_sizes)
 
 
 def test_one_long_sequence_runs_on_all_8_ranks():

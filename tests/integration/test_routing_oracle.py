@@ -64,12 +64,12 @@ def test_dcp_step_equals_single_process_with_either_routing(routing, cp, pp, wor
         partial(routed_step, routing=routing, cp=cp, pp=pp), world, samples, timeout_s=300
     )
     called = {"all-to-all": "route_samples", "lane-all-gather": "route_by_lane_all_gather"}
+    layout = Layout(pp=pp, dp=world // (pp * cp), cp=cp)
+    assert_covers([result for result, _ in results], layout)  # a plan mixing CP sizes
     for result, calls in results:
         assert_step_matches(result, expected)
         assert calls == [called[routing]]
         assert max(result.cp_sizes) > cp  # some group spans DP replicas
-    layout = Layout(pp=pp, dp=world // (pp * cp), cp=cp)
-    assert_covers([result for result, _ in results], layout)  # a plan mixing CP sizes
 
 
 def test_auto_routes_with_the_all_to_all_on_gloo():
@@ -77,7 +77,7 @@ def test_auto_routes_with_the_all_to_all_on_gloo():
     expected = single_process_reference(samples, OPTIONS)
     step = partial(routed_step, routing="auto", cp=2, pp=1)
     results = run_distributed(step, 4, samples, timeout_s=300)
+    assert_covers([result for result, _ in results], Layout(dp=2, cp=2))
     for result, calls in results:
         assert_step_matches(result, expected)
         assert calls == ["route_samples"]
-    assert_covers([result for result, _ in results], Layout(dp=2, cp=2))

@@ -68,7 +68,7 @@ def test_tp2_sequence_parallel_dcp_step_equals_single_process(
     rank's packed tokens split over TP."""
     step = partial(dcp_training_step, tp=2, cp=cp, budget=budget, options=OPTIONS)
     results = run_distributed(step, world, samples, timeout_s=240)
+    assert_covers(results, Layout(tp=2, dp=world // (2 * cp), cp=cp), mix_of={largest})
     for result in results:
         assert_step_matches(result, reference)
         assert max(result.cp_sizes) == largest
-    assert_covers(results, Layout(tp=2, dp=world // (2 * cp), cp=cp), mix_of={largest})
