@@ -6,7 +6,9 @@
    both runs with ``--dcp-prefetch on`` (the default): the batch prefetched after the saved
    iteration is neither lost nor skipped;
 3. the same job with ``--sequence-packing-scheduler dp_balanced`` (static CP): the same losses
-   (``STATIC_RTOL``) — DCP changes speed, never math.
+   (``STATIC_RTOL``) — DCP changes speed, never math. The DCP run's plans mix CP sizes and the
+   static run's have the static CP size alone (``testing.plan_coverage``: two runs of one CP
+   size would agree trivially).
 """
 
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dcp.testing.functional import case_names, load_case, run_case
+from megatron_dcp.testing.plan_coverage import assert_covers, training_run_plan
 from megatron_dcp.tools.launcher import RunLog
 
 # Goldens were produced on this kind of machine (fp32, gloo, deterministic reductions); the
@@ -66,8 +69,7 @@ def test_resume_reproduces_the_uninterrupted_run(full_run):
 
 def test_static_cp_gives_the_same_losses(full_run):
     case, workdir, log = full_run
+    assert_covers(training_run_plan(log), case.layout)  # a mix of CP sizes
     static: RunLog = run_case(case, workdir, "static", scheduler="dp_balanced")
     assert_losses(static.losses, log.losses, STATIC_RTOL, "dp_balanced vs DCP")
-    assert all(
-        set(f.cp_sizes) == {case.model_args["--context-parallel-size"]} for f in static.dcp.values()
-    )
+    assert_covers(training_run_plan(static), case.layout, cp_sizes={case.layout.cp})

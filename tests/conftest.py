@@ -13,6 +13,11 @@ CUDA: the distributed harness forks its workers, and a process that has initiali
 hand it to forked children. ``torch.cuda.is_available()`` initialises it unless
 ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (then it asks NVML), so that is set for the whole session
 before any test module runs its module-level ``is_available()`` check.
+
+Coverage check: with ``MEGATRON_DCP_FORCE_STATIC_PLAN=1`` the DCP planner returns the static plan
+for the whole session (``megatron_dcp.testing.force_static_plan``, installed here before any
+test runs, so the harness's forked workers inherit it); every oracle test that claims a mix of
+CP sizes must then fail. See tests/README.md, "Coverage".
 """
 
 import os
@@ -25,6 +30,12 @@ TESTS_DIR = Path(__file__).resolve().parent
 LAYERS = ("unit", "distributed", "integration", "gpu")
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+if os.environ.get("MEGATRON_DCP_FORCE_STATIC_PLAN", "") not in ("", "0"):
+    # Imported only then: the module imports torch (megatron_dcp.testing), the unit layer none.
+    from megatron_dcp.testing.force_static_plan import force_static_plans
+
+    force_static_plans()
 
 settings.register_profile(
     "ci",

@@ -32,16 +32,21 @@ from megatron_dcp.testing.overlap import (
     install_schedule_hooks,
     use_p2p_overlap,
 )
+from megatron_dcp.testing.plan_coverage import Layout, parallel_layout
 from megatron_dcp.testing.precision import ExactRun, exact_run, to_float64
 
 
 @dataclass(frozen=True)
 class DCPStepResult:
+    """What one rank computed, and what the step ran (``testing.plan_coverage``): the CP sizes
+    of the plan, its micro-batch count and the layout."""
+
     loss_sum: float
     num_tokens: int
     cp_sizes: tuple[int, ...]
     num_microbatches: int
     grads: dict[str, torch.Tensor] = field(repr=False)
+    layout: Layout
 
 
 def dcp_training_step(
@@ -97,7 +102,12 @@ def dcp_training_step(
     grads = gather_full_tensors(chunks)
     wrapper.groups.destroy()
     return DCPStepResult(
-        loss_sum, num_tokens, tuple(stats.cp_size_histogram), stats.num_microbatches, grads
+        loss_sum,
+        num_tokens,
+        tuple(stats.cp_size_histogram),
+        stats.num_microbatches,
+        grads,
+        parallel_layout(),
     )
 
 
@@ -169,6 +179,17 @@ def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return gather_full_tensors(chunks, select=lambda p: p.detach(), reduce_dp_cp=False)
 
 
+@dataclass(frozen=True)
+class TrainingRunResult:
+    """The full weights after a training run, and what it ran (``testing.plan_coverage``): the
+    CP sizes and the micro-batch count of each global batch's plan, and the layout."""
+
+    weights: dict[str, torch.Tensor] = field(repr=False)
+    cp_sizes: tuple[tuple[int, ...], ...]
+    num_microbatches: tuple[int, ...]
+    layout: Layout
+
+
 def dcp_training_run(
     rank: int,
     world_size: int,
@@ -181,10 +202,10 @@ def dcp_training_run(
     distributed_optimizer: bool = False,
     vpp: Optional[int] = None,
     overlap: CommOverlap = NO_OVERLAP,
-) -> dict[str, torch.Tensor]:
+) -> TrainingRunResult:
     """``len(batches)`` DCP training steps (DDP + Adam, megatron's distributed optimizer when
     ``distributed_optimizer``, the communication overlaps of ``overlap``); the full weights
-    afterwards."""
+    afterwards and what the steps ran."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
@@ -212,7 +233,9 @@ def dcp_training_run(
         optimizer.step()
     finish_param_gather(models, overlap)
     wrapper.groups.destroy()
-    return full_weights(chunks)
+    sizes = tuple(tuple(stats.cp_size_histogram) for stats in wrapper.stats)
+    counts = tuple(stats.num_microbatches for stats in wrapper.stats)
+    return TrainingRunResult(full_weights(chunks), sizes, counts, parallel_layout())
 
 
 def reference_training_run(

@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 
 import yaml
 
+from megatron_dcp.testing.force_static_plan import launch_entry
+from megatron_dcp.testing.plan_coverage import Layout
 from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "functional_tests" / "test_cases"
@@ -38,6 +40,19 @@ class FunctionalCase:
     @property
     def golden_path(self) -> Path:
         return CASES_DIR / self.name / "golden_values.json"
+
+    @property
+    def layout(self) -> Layout:
+        """The parallel layout the case's flags ask for."""
+        args = self.model_args
+        tp, pp, cp = (
+            int(args.get(f"--{name}-parallel-size", 1))
+            for name in ("tensor-model", "pipeline-model", "context")
+        )
+        per_virtual = args.get("--num-layers-per-virtual-pipeline-stage")
+        vpp = int(args["--num-layers"]) // (pp * int(per_virtual)) if per_virtual else 1
+        dp = self.nproc // (tp * pp * cp)
+        return Layout(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp if vpp > 1 else None)
 
     def goldens(self) -> Dict[int, float]:
         values = json.loads(self.golden_path.read_text())["lm loss"]["values"]
@@ -79,7 +94,8 @@ def run_case(
         options.update({"--save": save, "--save-interval": case.save_interval})
     if load is not None:
         options.update({"--load": load, "--ckpt-step": ckpt_step})
-    return run_pretrain(flag_list(options), case.nproc, workdir / f"{label}.log", entry=case.entry)
+    entry, args = launch_entry(case.entry, flag_list(options))  # the coverage check's switch
+    return run_pretrain(args, case.nproc, workdir / f"{label}.log", entry=entry)
 
 
 def write_goldens(case: FunctionalCase, log: RunLog) -> None:

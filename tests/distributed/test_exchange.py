@@ -25,6 +25,7 @@ from megatron_dcp.runtime.routing import (
 )
 from megatron_dcp.scheduling import CPGroup, Domain, MicroBatch, Plan, build_scheduler
 from megatron_dcp.testing import run_distributed
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers, plan_of
 
 SCHEMA = SampleSchema(
     (
@@ -176,6 +177,8 @@ def test_each_rank_receives_exactly_its_groups_samples(case, world_size):
     case = {**case, "counts": split_counts(case["num_samples"], dp, case["seed"])}
     results = run_distributed(_route_worker, world_size, case)
     plan = results[0]["plan"]
+    layout = Layout(dp=dp, cp=case["cp"])
+    assert_covers(plan_of(plan, layout), layout)  # groups of several sizes to route to
     for position, result in enumerate(results):
         routed = result["routed"]
         ids = _my_sample_ids(plan, position)

@@ -25,6 +25,7 @@ from megatron_dcp.runtime.routing import (
 from megatron_dcp.runtime.routing_volume import all_to_all_volume, lane_all_gather_volume
 from megatron_dcp.scheduling import Plan, build_scheduler
 from megatron_dcp.testing import run_distributed
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers, plan_of
 
 SCHEMA = SampleSchema(
     (("labels", torch.int64), ("loss_mask", torch.float32), ("tokens", torch.int64))
@@ -94,6 +95,7 @@ def test_both_routings_give_each_rank_exactly_its_groups_samples_bit_identical(d
     results = run_distributed(_both_routings_worker, dp * cp, dp, cp, seeds, timeout_s=300)
     for index, seed in enumerate(seeds):
         plan, counts = random_plan(dp, cp, seed)
+        assert_covers(plan_of(plan, Layout(dp=dp, cp=cp)), Layout(dp=dp, cp=cp))
         owner_of = GlobalLengths(plan.seqlens, counts).owner_of
         a2a = all_to_all_volume(plan, owner_of, SCHEMA.bytes_per_token)
         lane = lane_all_gather_volume(plan, owner_of, SCHEMA.bytes_per_token)

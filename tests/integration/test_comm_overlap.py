@@ -35,6 +35,7 @@ from megatron_dcp.testing.oracle import (  # noqa: E402
     assert_weights_match,
 )
 from megatron_dcp.testing.overlap import CommOverlap  # noqa: E402
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 OPTIONS = TinyGPTOptions(num_layers=4)  # pp2·vpp2 needs a multiple of 4 layers
 STEP_LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71, 16, 150, 90, 2)
@@ -137,8 +138,11 @@ def test_weights_after_three_adam_steps_with_overlap_equal_single_process(
         **layout,
     )
     results = run_distributed(partial(counting_overlaps, run), 4, batches, timeout_s=240)
-    for weights, counts in results:
-        assert_weights_match(weights, expected)
+    pp, cp = layout.get("pp", 1), layout["cp"]
+    claimed = Layout(pp=pp, vpp=layout.get("vpp"), dp=4 // (pp * cp), cp=cp)
+    assert_covers([result for result, _ in results], claimed)  # plans mixing CP sizes
+    for result, counts in results:
+        assert_weights_match(result.weights, expected)
         # At least steps 2 and 3 start their reductions early (one bucket on later pipeline
         # stages, where megatron turns bucketing off; several on the first).
         assert counts["early_reductions"] >= 2, counts
@@ -182,6 +186,8 @@ def test_overlapped_p2p_step_equals_single_process(overlap, step_samples, step_r
         cost_model=build_cost_model("latency"),
     )
     results = run_distributed(partial(counting_overlaps, step), 4, step_samples, timeout_s=240)
+    claimed = Layout(pp=2, vpp=2, dp=1, cp=2)
+    assert_covers([result for result, _ in results], claimed, mix_of={1, 2}, min_microbatches=5)
     for result, counts in results:
         assert_step_matches(result, step_reference)
-        assert result.num_microbatches > 4 and counts["unbatched_p2p"] > 0, counts
+        assert counts["unbatched_p2p"] > 0, counts

@@ -29,6 +29,7 @@ from megatron_dcp.testing.gpt import (
     tiny_gpt_config,
 )
 from megatron_dcp.testing.oracle import assert_step_matches
+from megatron_dcp.testing.plan_coverage import Layout, RanPlan, assert_covers, parallel_layout
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend only without CUDA")
 
@@ -136,13 +137,15 @@ def _packed_static_cp(rank, world_size, samples, tp, cp, options):
     loss, tokens = packed_loss_and_backward(model, samples, tp)
     totals = torch.tensor([loss.item(), float(tokens)], dtype=torch.float64)
     dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
-    return totals[0].item(), int(totals[1].item()), gather_full_tensors([model])
+    ran = RanPlan((parallel_state.get_context_parallel_world_size(),), 1, parallel_layout())
+    return totals[0].item(), int(totals[1].item()), gather_full_tensors([model]), ran
 
 
 def _assert_matches(result, reference):
     """Within the oracle's derived tolerances (``testing.oracle``)."""
-    loss, tokens, grads = result
-    assert_step_matches(DCPStepResult(loss, tokens, (), 1, grads), reference)
+    loss, tokens, grads, ran = result
+    step = DCPStepResult(loss, tokens, ran.cp_sizes, ran.num_microbatches, grads, ran.layout)
+    assert_step_matches(step, reference)
 
 
 @pytest.mark.parametrize(
@@ -155,6 +158,7 @@ def test_packed_static_cp_equals_single_process(tp, cp, query_groups, lengths):
     samples = make_samples(lengths)
     reference = single_process_reference(samples, options)
     results = run_distributed(_packed_static_cp, tp * cp, samples, tp, cp, options)
+    assert_covers([r[-1] for r in results], Layout(tp=tp, cp=cp), cp_sizes={cp})  # static CP
     for result in results:
         _assert_matches(result, reference)
 
@@ -175,15 +179,17 @@ def _unpacked_static_cp(rank, world_size, samples, cp, options):
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
-    return total.item(), gather_full_tensors([model])
+    ran = RanPlan((parallel_state.get_context_parallel_world_size(),), 1, parallel_layout())
+    return total.item(), gather_full_tensors([model]), ran
 
 
 def test_unpacked_static_cp_equals_single_process():
     options = TinyGPTOptions()
     samples = make_samples([16, 16])
     reference = single_process_reference(samples, options)
-    loss, grads = run_distributed(_unpacked_static_cp, 2, samples, 2, options)[0]
-    _assert_matches((loss, reference.num_tokens, grads), reference)
+    loss, grads, ran = run_distributed(_unpacked_static_cp, 2, samples, 2, options)[0]
+    assert_covers(ran, Layout(cp=2), cp_sizes={2})  # static CP
+    _assert_matches((loss, reference.num_tokens, grads, ran), reference)
 
 
 def _module_classes(spec):

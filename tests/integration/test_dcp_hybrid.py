@@ -27,6 +27,7 @@ from megatron_dcp.testing.oracle import (  # noqa: E402
     assert_weights_match,
     reference_cache,
 )
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 # With budget 64 on N = 4: 200 needs the whole domain, 120 and 71 two ranks, the rest one.
 LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71)
@@ -60,24 +61,27 @@ def test_hybrid_step_equals_single_process(samples, reference, layout):
     options = STAGED if pp > 1 else OPTIONS
     step = partial(dcp_training_step, tp=tp, pp=pp, cp=cp, budget=budget, options=options)
     results = run_distributed(step, 4, samples, timeout_s=240)
+    assert_covers(results, Layout(tp=tp, pp=pp, dp=4 // (tp * pp * cp), cp=cp))  # a mix
     for result in results:
         assert_step_matches(result, reference(OPTIONS))
         assert any(".mixer." in name for name in result.grads)
-    assert len(results[0].cp_sizes) > 1  # a plan mixing CP sizes
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_static_cp_equals_single_process(samples, reference, cp):
     """dp_balanced: every sequence on the static CP group (budget 100: CP 2 holds 200 tokens)."""
     step = partial(dcp_training_step, cp=cp, budget=100, options=OPTIONS, scheduler="dp_balanced")
-    for result in run_distributed(step, 4, samples, timeout_s=240):
+    results = run_distributed(step, 4, samples, timeout_s=240)
+    assert_covers(results, Layout(dp=4 // cp, cp=cp), cp_sizes={cp})
+    for result in results:
         assert_step_matches(result, reference(OPTIONS))
-        assert result.cp_sizes == (cp,)
 
 
 def test_weights_after_three_adam_steps_equal_single_process():
     batches = adam_batches(OPTIONS.vocab_size)
     (expected,) = run_distributed(reference_training_run, 1, batches, OPTIONS, timeout_s=240)
     run = partial(dcp_training_run, cp=2, budget=64, options=OPTIONS)
-    for weights in run_distributed(run, 4, batches, timeout_s=240):
-        assert_weights_match(weights, expected)
+    results = run_distributed(run, 4, batches, timeout_s=240)
+    assert_covers(results, Layout(dp=2, cp=2))
+    for result in results:
+        assert_weights_match(result.weights, expected)

@@ -35,6 +35,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     reference_passes,
 )
 from megatron_dcp.testing.oracle import assert_runs_agree, assert_step_matches  # noqa: E402
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 MOE = TinyGPTOptions(
     num_layers=2,
@@ -58,6 +59,7 @@ ONE_SAMPLE_PER_GROUP = {
     ("dp_balanced", 32): 2,  # static CP: the groups are the static CP blocks of 2
     ("default_dynamic_cp", 16): 4,
 }
+DP2CP2 = Layout(dp=2, cp=2)  # the layout of run_moe_step (EP 2 inside DP×CP)
 
 
 def tracked_losses() -> dict:
@@ -154,7 +156,7 @@ def test_aux_losses_and_gradients_do_not_depend_on_the_cp_size(key, aux_runs, au
     gradients included) as the single-process run."""
     (result, tracked, _), (reference, expected) = aux_runs[key], aux_reference
     cp_size = ONE_SAMPLE_PER_GROUP[key]
-    assert result.cp_sizes == (cp_size,)
+    assert_covers(result, DP2CP2, cp_sizes={cp_size})
     assert_same_aux_losses(tracked, expected, cp_size)
     assert_step_matches(result, reference)
 
@@ -176,8 +178,10 @@ def test_dcp_equals_static_cp_under_dp_balanced(aux_runs, aux_reference):
     """DCP's groups of 1 and 4 against static CP (``dp_balanced``: the static groups of 2), aux
     losses on: the same loss, aux losses and gradients (within twice the oracle's tolerance)."""
     static, static_tracked, _ = aux_runs[("dp_balanced", 32)]
+    assert_covers(static, DP2CP2, cp_sizes={2})
     for key in [("default_dynamic_cp", 64), ("default_dynamic_cp", 16)]:
         result, tracked, _ = aux_runs[key]
+        assert_covers(result, DP2CP2, cp_sizes={ONE_SAMPLE_PER_GROUP[key]})  # 1, then 4
         assert_runs_agree(result, static, aux_reference[0])
         for name in ("load_balancing_loss", "seq_load_balancing_loss"):
             assert tracked[name] == pytest.approx(static_tracked[name], rel=1e-5)
@@ -189,7 +193,7 @@ def test_main_loss_equals_single_process_with_mixed_cp_sizes():
     samples = make_samples((37, 5, 120, 64, 9, 200, 33, 12), MOE.vocab_size, seed=7)
     reference, _ = run_distributed(moe_reference, 1, samples, MOE, timeout_s=240)[0]
     result, _, _ = run_moe_step(samples, MOE, "default_dynamic_cp", 64)
-    assert set(result.cp_sizes) == {1, 2, 4}
+    assert_covers(result, DP2CP2, mix_of={1, 2, 4})
     assert_step_matches(result, reference)
 
 
@@ -202,7 +206,7 @@ def test_full_recompute_re_runs_the_router_on_the_micro_batch_group(equal_sample
     )
     result, tracked, _ = run_moe_step(equal_samples, full, "default_dynamic_cp", 16)
     reference, expected = aux_reference
-    assert result.cp_sizes == (4,)
+    assert_covers(result, DP2CP2, cp_sizes={4})
     assert_same_aux_losses(tracked, expected, 4)
     assert_step_matches(result, reference)
 
@@ -275,5 +279,5 @@ def test_tp2_aux_losses_and_gradients_with_mixed_cp_sizes_equal_single_process()
     reference, _ = run_distributed(moe_reference, 1, samples, TP_MOE, timeout_s=240)[0]
     step = partial(moe_step_expert_tp1, tp=2, cp=2, budget=32, options=TP_MOE)
     result = run_distributed(step, 4, samples, timeout_s=240)[0][0]
-    assert set(result.cp_sizes) == {1, 2}
+    assert_covers(result, Layout(tp=2, cp=2), mix_of={1, 2})
     assert_step_matches(result, reference)

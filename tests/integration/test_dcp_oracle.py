@@ -31,6 +31,7 @@ from megatron_dcp.testing.oracle import (  # noqa: E402
     assert_weights_match,
     reference_cache,
 )
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 # Lengths chosen so that plans mix CP sizes: with budget 64 on N = 4, 200 needs the whole domain,
 # 120 and 71 need 2 ranks, the rest fit one rank (test_groups_smaller_and_larger...).
@@ -54,6 +55,10 @@ class ParallelLayout:
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def claimed(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, vpp=self.vpp)
 
     def __str__(self) -> str:
         vpp = f"vpp{self.vpp}" if self.vpp else ""
@@ -115,7 +120,11 @@ def run_step(layout: ParallelLayout, samples, scheduler: str, budget: int, min_c
 @pytest.mark.parametrize("scheduler", ["default_dynamic_cp", "dp_balanced"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_dcp_step_equals_single_process(layout, scheduler, samples, reference_of):
-    for result in run_step(layout, samples, scheduler, budget_for(layout)):
+    """DCP plans mixing CP sizes; static CP (``dp_balanced``) on its CP size alone."""
+    results = run_step(layout, samples, scheduler, budget_for(layout))
+    static = {layout.cp} if scheduler == "dp_balanced" else None
+    assert_covers(results, layout.claimed, cp_sizes=static)
+    for result in results:
         assert_step_matches(result, reference_of(layout.options))
 
 
@@ -124,12 +133,11 @@ def test_groups_smaller_and_larger_than_static_cp_in_one_step(min_cp_size, sampl
     """Budget 64 on dp2·cp2: the 200-token sample needs all 4 ranks while the others fit on
     ``min_cp_size`` or 2 ranks, so micro-batches run on groups larger than the static CP group
     of 2 next to smaller or equal ones — an input static CP cannot run at all."""
-    results = run_step(
-        ParallelLayout(cp=2, world=4), samples, "default_dynamic_cp", 64, min_cp_size
-    )
+    layout = ParallelLayout(cp=2, world=4)
+    results = run_step(layout, samples, "default_dynamic_cp", 64, min_cp_size)
+    assert_covers(results, layout.claimed, mix_of={4})
     for result in results:
         assert_step_matches(result, reference)
-        assert 4 in result.cp_sizes and len(result.cp_sizes) > 1
         assert min(result.cp_sizes) >= min_cp_size
 
 
@@ -143,8 +151,9 @@ def test_weights_after_three_adam_steps_equal_single_process():
     results = run_distributed(
         partial(dcp_training_run, cp=2, budget=64, options=OPTIONS), 4, batches, timeout_s=240
     )
-    for weights in results:
-        assert_weights_match(weights, expected)
+    assert_covers(results, ParallelLayout(cp=2, world=4).claimed)
+    for result in results:
+        assert_weights_match(result.weights, expected)
 
 
 def test_non_power_of_two_domain():
@@ -152,10 +161,12 @@ def test_non_power_of_two_domain():
     whole domain; the step still equals the single-process run."""
     six = make_samples((150, 5, 64, 90, 12, 33), OPTIONS.vocab_size, seed=3)
     expected = single_process_reference(six, OPTIONS)
-    results = run_step(ParallelLayout(cp=2, world=6), six, "default_dynamic_cp", 32)
+    layout = ParallelLayout(cp=2, world=6)
+    results = run_step(layout, six, "default_dynamic_cp", 32)
+    assert_covers(results, layout.claimed)
+    assert any(size > 2 for size in results[0].cp_sizes)
     for result in results:
         assert_step_matches(result, expected)
-    assert any(size > 2 for size in results[0].cp_sizes)
 
 
 def sft_masked(samples):
@@ -188,5 +199,7 @@ def test_sft_masks_divide_by_the_assistant_tokens(layout, samples):
     masked = sft_masked(samples)
     expected = single_process_reference(masked, layout.options)
     assert expected.num_tokens == sum(int(s["loss_mask"].sum()) for s in masked)
-    for result in run_step(layout, masked, "default_dynamic_cp", budget_for(layout)):
+    results = run_step(layout, masked, "default_dynamic_cp", budget_for(layout))
+    assert_covers(results, layout.claimed)
+    for result in results:
         assert_step_matches(result, expected)

@@ -38,6 +38,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     unpacked_loss_and_backward,
 )
 from megatron_dcp.testing.oracle import assert_step_matches, reference_cache  # noqa: E402
+from megatron_dcp.testing import plan_coverage  # noqa: E402
 
 # test_dcp_oracle's lengths with 12 for 71: then the model's cost model plans the 64-token sample
 # alone on one rank (a group of 1) in the step where 200 + 33 take a group of the whole domain.
@@ -66,6 +67,10 @@ class Layout:
     @property
     def layers_per_stage(self) -> int:
         return OPTIONS.num_layers // self.pp
+
+    @property
+    def claimed(self) -> plan_coverage.Layout:
+        return plan_coverage.Layout(pp=self.pp, dp=self.world // (self.pp * self.cp), cp=self.cp)
 
 
 # Budget 64 on N = 4: the 200-token sample needs all 4 ranks, 64 and shorter fit one rank.
@@ -116,9 +121,14 @@ def run_recompute_step(
     return run_distributed(step, layout.world, samples, timeout_s=120)
 
 
-def assert_equal_with_mixed_cp(result: DCPStepResult, reference, layout: Layout) -> None:
-    assert_step_matches(result, reference)
-    assert {1, layout.largest} <= set(result.cp_sizes), result.cp_sizes
+def assert_equal_with_mixed_cp(
+    results: list[tuple[DCPStepResult, dict]], reference, layout: Layout
+) -> None:
+    """The plan mixes CP size 1 with the largest; every rank's step equals ``reference``."""
+    ran = [result for result, _ in results]
+    plan_coverage.assert_covers(ran, layout.claimed, mix_of={1, layout.largest})
+    for result, _ in results:
+        assert_step_matches(result, reference)
 
 
 FULL = [("uniform", 1), ("uniform", 2), ("block", 1), ("block", 2)]
@@ -137,8 +147,8 @@ def test_full_recompute_equals_single_process(layout, method, num_layers, sample
         recompute_num_layers=num_layers,
     )
     per_microbatch = layout.layers_per_stage if method == "uniform" else num_layers
+    assert_equal_with_mixed_cp(results, reference, layout)
     for result, recomputed in results:
-        assert_equal_with_mixed_cp(result, reference, layout)
         assert recomputed["TransformerLayer"] == per_microbatch * result.num_microbatches
 
 
@@ -157,8 +167,8 @@ def test_selective_recompute_equals_single_process(layout, modules, samples, ref
     expected = Counter()
     for module in modules:
         expected.update(SELECTIVE[module])
+    assert_equal_with_mixed_cp(results, reference_of(model), layout)
     for result, recomputed in results:
-        assert_equal_with_mixed_cp(result, reference_of(model), layout)
         per_step = layout.layers_per_stage * result.num_microbatches
         assert {name: recomputed.get(name, 0) for name in expected} == {
             name: count * per_step for name, count in expected.items()
@@ -176,8 +186,8 @@ def test_recompute_with_cp4_next_to_cp1_in_a_pipeline(samples, reference):
         recompute_method="block",
         recompute_num_layers=1,
     )
+    assert_equal_with_mixed_cp(results, reference, PP2DP2CP2)
     for result, recomputed in results:
-        assert_equal_with_mixed_cp(result, reference, PP2DP2CP2)
         assert recomputed["TransformerLayer"] == result.num_microbatches
 
 

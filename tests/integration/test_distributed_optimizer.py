@@ -25,6 +25,7 @@ from megatron_dcp.testing.dcp_step import (  # noqa: E402
 )
 from megatron_dcp.testing.gpt import TinyGPTOptions, build_tiny_gpt, init_megatron  # noqa: E402
 from megatron_dcp.testing.oracle import adam_batches, assert_weights_match  # noqa: E402
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 OPTIONS = TinyGPTOptions(num_layers=2)
 
@@ -80,5 +81,7 @@ def test_weights_after_three_adam_steps_equal_single_process(
     run = partial(
         dcp_training_run, tp=tp, cp=2, budget=budget, options=options, distributed_optimizer=True
     )
-    for weights in run_distributed(run, 4, batches, timeout_s=240):
-        assert_weights_match(weights, expected)
+    results = run_distributed(run, 4, batches, timeout_s=240)
+    assert_covers(results, Layout(tp=tp, dp=2 // tp, cp=2))  # plans mixing CP sizes
+    for result in results:
+        assert_weights_match(result.weights, expected)

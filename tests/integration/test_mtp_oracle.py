@@ -33,9 +33,16 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     reference_passes,
 )
 from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
+from megatron_dcp.testing.plan_coverage import (  # noqa: E402
+    Layout,
+    RanPlan,
+    assert_covers,
+    parallel_layout,
+)
 
 # With budget 64 on N = 4: 200 needs the whole domain, 120 and 71 two ranks, the rest one.
 LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71)
+DP2CP2 = Layout(dp=2, cp=2)
 
 
 def options(depth: int) -> TinyGPTOptions:
@@ -79,8 +86,9 @@ def test_mtp_gradients_equal_single_process(samples, reference, depth, cp):
     """Loss, token count and every gradient within the oracle's tolerances; the plan mixes CP
     sizes (a whole-domain group beside smaller ones)."""
     step = partial(dcp_step, depth=depth, cp=cp, megatron_rule=False)
-    for result in run_distributed(step, 4, samples, timeout_s=180):
-        assert 4 in result.cp_sizes and len(result.cp_sizes) > 1
+    results = run_distributed(step, 4, samples, timeout_s=180)
+    assert_covers(results, Layout(dp=4 // cp, cp=cp), mix_of={4})
+    for result in results:
         assert_step_matches(result, reference(depth))
         assert any(name.startswith("mtp.") for name in result.grads)
 
@@ -90,6 +98,7 @@ def test_megatron_rule_depends_on_the_packing(samples, reference):
     above would catch a DCP step that lost the global ratio."""
     step = partial(dcp_step, depth=1, cp=2, megatron_rule=True)
     result = run_distributed(step, 4, samples, timeout_s=180)[0]
+    assert_covers(result, DP2CP2)  # micro-batches of different token ratios
     expected = reference(1)
     assert result.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
     with pytest.raises(AssertionError):
@@ -117,17 +126,19 @@ def adapter_step(rank: int, world_size: int, samples, depth: int):
         token_mean_loss(losses, mb, split).backward()
     grads = gather_full_tensors([model])
     groups.destroy()
-    return split.num_tokens, {mb.local_cp_size for mb in split.microbatches}, grads
+    sizes = tuple(sorted({mb.local_cp_size for mb in split.microbatches}))
+    return split.num_tokens, RanPlan(sizes, len(split.microbatches), parallel_layout()), grads
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_rl_adapter_mtp_gradients_equal_single_process(samples, reference, depth):
     """The adapter's token-mean gradients, times the token count, are the reference's sums."""
     expected = reference(depth)
-    for num_tokens, cp_sizes, grads in run_distributed(
+    for num_tokens, ran, grads in run_distributed(
         partial(adapter_step, depth=depth), 4, samples, timeout_s=180
     ):
-        assert num_tokens == expected.num_tokens and len(cp_sizes) > 1
+        assert num_tokens == expected.num_tokens
+        assert_covers(ran, DP2CP2)  # every rank's own micro-batches mix CP sizes
         for name, grad in expected.grads.items():
             torch.testing.assert_close(
                 grads[name] * num_tokens, grad, rtol=1e-4, atol=1e-5, msg=name
@@ -151,10 +162,10 @@ def record_mtp_terms(depth: int) -> list:
     return sums
 
 
-def dcp_mtp_terms(rank: int, world_size: int, samples, depth: int) -> list:
+def dcp_mtp_terms(rank: int, world_size: int, samples, depth: int) -> tuple:
     sums = record_mtp_terms(depth)
-    dcp_training_step(rank, world_size, samples, cp=2, budget=64, options=options(depth))
-    return sums
+    result = dcp_training_step(rank, world_size, samples, cp=2, budget=64, options=options(depth))
+    return sums, result
 
 
 def reference_mtp_terms(rank: int, world_size: int, samples, depth: int) -> list:
@@ -170,8 +181,9 @@ def test_mtp_loss_value_of_each_depth_equals_single_process(samples):
     """The MTP loss itself, depth by depth, summed over ranks and micro-batches, equals megatron's
     single-process value (a swap of depths, or a ratio of the wrong depth, moves it)."""
     depth = 2
-    ranks = run_distributed(dcp_mtp_terms, 4, samples, depth, timeout_s=180)
+    results = run_distributed(dcp_mtp_terms, 4, samples, depth, timeout_s=180)
     (expected,) = run_distributed(reference_mtp_terms, 1, samples, depth, timeout_s=180)
-    got = [sum(rank[d] for rank in ranks) for d in range(depth)]
+    assert_covers([result for _, result in results], DP2CP2)
+    got = [sum(sums[d] for sums, _ in results) for d in range(depth)]
     assert got == pytest.approx(expected, rel=1e-5)
     assert abs(expected[0] - expected[1]) > 1e-3 * abs(expected[0])  # the depths differ

@@ -23,6 +23,7 @@ from megatron_dcp.testing.oracle import (  # noqa: E402
     assert_step_matches,
     reference_cache,
 )
+from megatron_dcp.testing.plan_coverage import Layout  # noqa: E402
 from megatron_dcp.testing.precision import largest_magnitude  # noqa: E402
 
 # A hybrid model: the Mamba scan's large gradients are where float32 rounding is largest.
@@ -37,7 +38,7 @@ def reference():
 
 def as_step(reference, grads, loss_sum=None) -> DCPStepResult:
     loss = reference.loss_sum if loss_sum is None else loss_sum
-    return DCPStepResult(loss, reference.num_tokens, (1,), 1, grads)
+    return DCPStepResult(loss, reference.num_tokens, (1,), 1, grads, Layout())
 
 
 def scale(error: float, exact: torch.Tensor) -> float:

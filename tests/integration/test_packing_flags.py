@@ -28,6 +28,7 @@ from megatron_dcp.scheduling import build_cost_model  # noqa: E402
 from megatron_dcp.testing.dcp_step import dcp_training_step  # noqa: E402
 from megatron_dcp.testing.gpt import TinyGPTOptions, make_samples  # noqa: E402
 from megatron_dcp.testing.oracle import assert_step_matches, reference_cache  # noqa: E402
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71)
 OPTIONS = TinyGPTOptions(num_layers=2)
@@ -56,7 +57,9 @@ def test_a_padded_step_equals_single_process(name, samples, reference):
     step = partial(
         dcp_training_step, cp=2, budget=BUDGET, options=OPTIONS, pack_padding=PADDINGS[name]
     )
-    for result in run_distributed(step, 4, samples, timeout_s=240):
+    results = run_distributed(step, 4, samples, timeout_s=240)
+    assert_covers(results, Layout(dp=2, cp=2))  # a plan mixing CP sizes
+    for result in results:
         assert_step_matches(result, reference)
 
 

@@ -28,6 +28,12 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     single_process_reference,
 )
 from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
+from megatron_dcp.testing.plan_coverage import (  # noqa: E402
+    Layout,
+    RanPlan,
+    assert_covers,
+    parallel_layout,
+)
 
 OPTIONS = TinyGPTOptions(num_layers=4)
 
@@ -39,8 +45,11 @@ def unpacked_batch(sample: dict) -> dict:
     return {**batch, "position_ids": torch.arange(length).view(1, -1), "packed_seq_params": None}
 
 
-def interleaved_step(rank: int, world_size: int, samples, vpp: int) -> ReferenceResult:
-    """One forward-backward of megatron's interleaved schedule, one sample per micro-batch."""
+def interleaved_step(
+    rank: int, world_size: int, samples, vpp: int
+) -> tuple[ReferenceResult, RanPlan]:
+    """One forward-backward of megatron's interleaved schedule, one sample per micro-batch (no
+    CP: every micro-batch on CP size 1); and what it ran."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     init_megatron(pp=world_size, vpp=vpp, seed=OPTIONS.seed)
@@ -57,7 +66,8 @@ def interleaved_step(rank: int, world_size: int, samples, vpp: int) -> Reference
         forward_only=False,
     )
     loss_sum, num_tokens = global_loss(losses)
-    return ReferenceResult(loss_sum, num_tokens, gather_full_tensors(chunks))
+    ran = RanPlan((1,), len(batches), parallel_layout())
+    return ReferenceResult(loss_sum, num_tokens, gather_full_tensors(chunks)), ran
 
 
 def test_interleaved_schedule_with_every_microbatch_in_warmup():
@@ -65,5 +75,8 @@ def test_interleaved_schedule_with_every_microbatch_in_warmup():
     4 virtual micro-batches."""
     samples = make_samples((37, 20), OPTIONS.vocab_size, seed=5)
     expected = single_process_reference(samples, OPTIONS)
-    for result in run_distributed(interleaved_step, 2, samples, 2, timeout_s=60):
+    results = run_distributed(interleaved_step, 2, samples, 2, timeout_s=60)
+    ran = [ran for _, ran in results]
+    assert_covers(ran, Layout(pp=2, vpp=2), cp_sizes={1}, num_microbatches=2)
+    for result, _ in results:
         assert_step_matches(result, expected)

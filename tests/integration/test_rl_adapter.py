@@ -43,6 +43,12 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     packed_token_losses,
     unpacked_token_losses,
 )
+from megatron_dcp.testing.plan_coverage import (  # noqa: E402
+    Layout,
+    RanPlan,
+    assert_covers,
+    parallel_layout,
+)
 
 OPTIONS = TinyGPTOptions()
 TIMEOUT_S = 60
@@ -61,6 +67,8 @@ class RankResult:
     local_num_tokens: int
     log_probs: list = field(repr=False)
     grads: dict = field(repr=False)
+    num_microbatches: int
+    layout: Layout
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,8 @@ def adapter_step(
         local_num_tokens=split.local_num_tokens,
         log_probs=merged,
         grads=grads,
+        num_microbatches=len(split.microbatches),
+        layout=parallel_layout(),
     )
 
 
@@ -177,20 +187,22 @@ def assert_no_failure_mode(results: Sequence[RankResult], num_samples: int) -> N
     assert all(r.real_tokens and max(r.real_tokens) > 0 for r in results), "a rank had no work"
 
 
-# (lengths, world, static cp, budget); with today's scheduler the plans of world4-8seqs,
-# world4-3seqs and world8-12seqs mix CP sizes across micro-batches, world8-5seqs runs two groups of
-# 4 side by side, and the 3- and 5-sequence sets have fewer sequences than ranks.
+# (lengths, world, static cp, budget, the plan's CP sizes: None for a mix); with today's scheduler
+# the plans of world4-8seqs, world4-3seqs and world8-12seqs mix CP sizes across micro-batches,
+# world8-5seqs runs two groups of 4 side by side (static CP's groups: the case is about fewer
+# sequences than ranks, as is world4-3seqs).
 CASES = [
-    pytest.param(random_lengths(8, seed=4), 4, 2, 48, id="world4-8seqs"),
-    pytest.param(random_lengths(3, seed=2), 4, 2, 32, id="world4-3seqs"),
-    pytest.param(random_lengths(12, seed=6), 8, 4, 64, id="world8-12seqs"),
-    pytest.param(random_lengths(5, seed=3), 8, 4, 64, id="world8-5seqs"),
+    pytest.param(random_lengths(8, seed=4), 4, 2, 48, None, id="world4-8seqs"),
+    pytest.param(random_lengths(3, seed=2), 4, 2, 32, None, id="world4-3seqs"),
+    pytest.param(random_lengths(12, seed=6), 8, 4, 64, None, id="world8-12seqs"),
+    pytest.param(random_lengths(5, seed=3), 8, 4, 64, {4}, id="world8-5seqs"),
 ]
 
 
-@pytest.mark.parametrize("lengths, world, cp, budget", CASES)
-def test_gradients_and_log_probs_equal_single_process(lengths, world, cp, budget):
+@pytest.mark.parametrize("lengths, world, cp, budget, cp_sizes", CASES)
+def test_gradients_and_log_probs_equal_single_process(lengths, world, cp, budget, cp_sizes):
     results, reference = run_adapter(lengths, world, cp, budget)
+    assert_covers(results, Layout(dp=world // cp, cp=cp), cp_sizes=cp_sizes)
     assert_matches_reference(results, reference)
     assert_no_failure_mode(results, len(lengths))
 
@@ -200,7 +212,7 @@ def test_one_long_sequence_runs_on_all_8_ranks():
     runs with local_cp_size 8, every rank holds real tokens, and the token count is the
     sequence's (not 8× it)."""
     results, reference = run_adapter([200], world=8, cp=2, budget=32)
-    assert all(r.cp_sizes == (8,) for r in results)
+    assert_covers(results, Layout(dp=4, cp=2), cp_sizes={8}, num_microbatches=1)
     assert all(r.local_num_tokens > 0 for r in results)
     assert_matches_reference(results, reference)
     assert_no_failure_mode(results, 1)
@@ -210,6 +222,7 @@ def test_short_and_empty_sequences_fewer_than_ranks():
     """Two short sequences and an empty one on 8 ranks with a large budget: no rank idle, the
     empty sample comes back empty, nothing double-counted."""
     results, reference = run_adapter([10, 0, 6], world=8, cp=4, budget=64)
+    assert_covers(results, Layout(dp=2, cp=4), cp_sizes={4})  # static CP's groups, no rank idle
     assert_matches_reference(results, reference)
     assert_no_failure_mode(results, 3)
     assert results[0].log_probs[1].numel() == 0
@@ -217,7 +230,7 @@ def test_short_and_empty_sequences_fewer_than_ranks():
 
 def schedule_step(
     rank: int, world_size: int, samples: Sequence[Sample], cp: int, budget: int
-) -> tuple[int, dict]:
+) -> tuple[int, dict, RanPlan]:
     """The engine path through megatron's own schedule: ``as_batch`` + the per-token-loss
     forward step; the schedule returns loss sums and local token counts (no scale applied)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -241,7 +254,9 @@ def schedule_step(
     dist.all_reduce(tokens)  # what finalize_model_grads does over DP×CP
     grads = gather_full_tensors([model])
     groups.destroy()
-    return int(tokens), {name: grad / int(tokens) for name, grad in grads.items()}
+    sizes = tuple(mb.local_cp_size for mb in split.microbatches)
+    ran = RanPlan(sizes, len(batches), parallel_layout())
+    return int(tokens), {name: grad / int(tokens) for name, grad in grads.items()}, ran
 
 
 def test_megatron_schedule_with_per_token_loss_needs_no_scale():
@@ -252,7 +267,8 @@ def test_megatron_schedule_with_per_token_loss_needs_no_scale():
     samples = make_samples(lengths, OPTIONS.vocab_size, seed=len(lengths))
     results = run_distributed(schedule_step, 4, samples, 2, 32, timeout_s=TIMEOUT_S)
     (reference,) = run_distributed(reference_step, 1, samples, timeout_s=TIMEOUT_S)
-    for tokens, grads in results:
+    assert_covers([ran for _, _, ran in results], Layout(dp=2, cp=2))  # a mix of CP sizes
+    for tokens, grads, _ in results:
         assert tokens == reference.num_tokens
         for name, grad in reference.grads.items():
             torch.testing.assert_close(
@@ -290,7 +306,8 @@ def mtp_step(rank: int, world_size: int, samples: Sequence[Sample], budget: int)
     groups.destroy()
     mtp = [g for name, g in grads.items() if name.startswith("mtp.")]
     finite = all(bool(torch.isfinite(g).all()) for g in mtp) and any(g.abs().sum() > 0 for g in mtp)
-    return [entered, [mb.local_cp_size for mb in split.microbatches], finite]
+    sizes = [mb.local_cp_size for mb in split.microbatches]
+    return [entered, sizes, finite, RanPlan(tuple(sizes), len(sizes), parallel_layout())]
 
 
 def test_mtp_with_cp_through_the_adapter():
@@ -298,7 +315,9 @@ def test_mtp_with_cp_through_the_adapter():
     group: a rank skipping it would hang the others until the harness kills the job)."""
     samples = make_samples([90, 7, 30], OPTIONS.vocab_size, seed=5)
     results = run_distributed(mtp_step, 4, samples, 32, timeout_s=TIMEOUT_S)
-    for entered, cp_sizes, finite in results:
+    # 90 tokens need the whole domain at budget 32: every micro-batch on CP 4
+    assert_covers([ran for *_, ran in results], Layout(dp=2, cp=2), cp_sizes={4})
+    for entered, cp_sizes, finite, _ in results:
         assert entered == cp_sizes
         assert max(cp_sizes) > 1
         assert finite

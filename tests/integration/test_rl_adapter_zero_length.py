@@ -22,6 +22,12 @@ from megatron_dcp.adapters import (  # noqa: E402
 from megatron_dcp.integration.process_groups import create_dcp_groups  # noqa: E402
 from megatron_dcp.scheduling import CPGroup, Domain, MicroBatch, Plan  # noqa: E402
 from megatron_dcp.testing.gpt import init_megatron, make_samples  # noqa: E402
+from megatron_dcp.testing.plan_coverage import (  # noqa: E402
+    Layout,
+    assert_covers,
+    parallel_layout,
+    plan_of,
+)
 
 BUDGET = 64
 LENGTHS = [0, 30, 0, 20, 0, 40, 0, 9]
@@ -82,7 +88,11 @@ def round_trip(rank: int, world_size: int, plan_name: str) -> dict:
         if LENGTHS[j] == 0
     ]
     return dict(
-        laid_out=laid_out_like_packing, merged=merged, modelled=modelled, empty_positions=positions
+        laid_out=laid_out_like_packing,
+        merged=merged,
+        modelled=modelled,
+        empty_positions=positions,
+        ran=plan_of(split.plan, parallel_layout()),
     )
 
 
@@ -99,6 +109,8 @@ def test_zero_length_samples_round_trip(plan_name):
         for got, want in zip(result["modelled"], unsharded):
             assert got.shape == want.shape and torch.equal(got, want)
     assert [tuple(t.shape) for t in unsharded] == [(n, 2) for n in LENGTHS]
+    if plan_name == "planned":  # the planner's plan: groups of 1 and 2 holding empty samples
+        assert_covers([result["ran"] for result in results], Layout(dp=2, cp=2))
     placed = results[0]["empty_positions"]
     if plan_name == "caller-plan":
         assert {index for index, _ in placed} >= {0, 2, 4}  # first, middle, last of (0..4)

@@ -24,6 +24,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     single_process_reference,
 )
 from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 # With budget 64 the 200-token sample needs 4 ranks, 120 and 71 need 2, the rest fit one: plans
 # mix CP sizes, and groups larger than the static CP group take samples of other DP replicas.
@@ -63,6 +64,8 @@ def test_dcp_step_equals_single_process_with_either_routing(routing, cp, pp, wor
         partial(routed_step, routing=routing, cp=cp, pp=pp), world, samples, timeout_s=300
     )
     called = {"all-to-all": "route_samples", "lane-all-gather": "route_by_lane_all_gather"}
+    layout = Layout(pp=pp, dp=world // (pp * cp), cp=cp)
+    assert_covers([result for result, _ in results], layout)  # a plan mixing CP sizes
     for result, calls in results:
         assert_step_matches(result, expected)
         assert calls == [called[routing]]
@@ -73,6 +76,8 @@ def test_auto_routes_with_the_all_to_all_on_gloo():
     samples = make_samples(LENGTHS, OPTIONS.vocab_size, seed=7)
     expected = single_process_reference(samples, OPTIONS)
     step = partial(routed_step, routing="auto", cp=2, pp=1)
-    for result, calls in run_distributed(step, 4, samples, timeout_s=300):
+    results = run_distributed(step, 4, samples, timeout_s=300)
+    assert_covers([result for result, _ in results], Layout(dp=2, cp=2))
+    for result, calls in results:
         assert_step_matches(result, expected)
         assert calls == ["route_samples"]

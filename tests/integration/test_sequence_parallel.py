@@ -24,6 +24,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     tiny_gpt_config,
 )
 from megatron_dcp.testing.oracle import assert_step_matches  # noqa: E402
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 # The oracle's lengths with 63 for 64: with today's plans a group of one then packs an odd number
 # of tokens, which only the ×TP padding of sequence parallelism makes divisible over TP.
@@ -66,6 +67,8 @@ def test_tp2_sequence_parallel_dcp_step_equals_single_process(
     all 4 positions of the domain, the others fewer). Sequences are padded to 2·c·2 so that each
     rank's packed tokens split over TP."""
     step = partial(dcp_training_step, tp=2, cp=cp, budget=budget, options=OPTIONS)
-    for result in run_distributed(step, world, samples, timeout_s=240):
+    results = run_distributed(step, world, samples, timeout_s=240)
+    assert_covers(results, Layout(tp=2, dp=world // (2 * cp), cp=cp), mix_of={largest})
+    for result in results:
         assert_step_matches(result, reference)
-        assert max(result.cp_sizes) == largest and len(result.cp_sizes) > 1
+        assert max(result.cp_sizes) == largest

@@ -6,8 +6,10 @@ conversations (the same losses as the uninterrupted run)."""
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.testing.force_static_plan import launch_entry
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers, training_run_plan
 from megatron_dcp.tools.conversation_corpus import write_sft_corpus
-from megatron_dcp.tools.launcher import flag_list, run_pretrain
+from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
@@ -40,28 +42,30 @@ def sft_options(tmp_path, **overrides) -> dict:
     return {**options, **overrides}
 
 
+def pretrain(options: dict, log_path) -> RunLog:
+    """``megatron_dcp.pretrain_gpt`` on 4 ranks (CP2·DP2), through the coverage check's switch
+    (``testing.force_static_plan``) when it is on."""
+    entry, args = launch_entry("pretrain_gpt", flag_list(options))
+    return run_pretrain(args, 4, log_path, timeout_s=300, entry=entry)
+
+
 def test_sft_static_and_dynamic_cp_agree_learn_and_resume(tmp_path):
     options = sft_options(tmp_path)
-    static = run_pretrain(
-        flag_list({**options, "--sequence-packing-scheduler": "dp_balanced"}),
-        4,
-        tmp_path / "static.log",
-        timeout_s=300,
-    )
+    static_cp = {**options, "--sequence-packing-scheduler": "dp_balanced"}
+    static = pretrain(static_cp, tmp_path / "static.log")
     checkpoint = {"--save": tmp_path / "ckpt", "--save-interval": 2}
-    dcp = run_pretrain(flag_list({**options, **checkpoint}), 4, tmp_path / "dcp.log", timeout_s=300)
+    dcp = pretrain({**options, **checkpoint}, tmp_path / "dcp.log")
+    assert_covers(training_run_plan(static), Layout(dp=2, cp=2), cp_sizes={2})
+    assert_covers(training_run_plan(dcp), Layout(dp=2, cp=2), mix_of={1})
     assert sorted(dcp.losses) == [1, 2, 3, 4] and static.losses.keys() == dcp.losses.keys()
     for iteration, loss in dcp.losses.items():
         assert loss == pytest.approx(static.losses[iteration], rel=1e-5)
     assert dcp.losses[4] < 0.95 * dcp.losses[1]
     assert "400 conversations from 400 records" in dcp.output
     assert "loss on the assistant's tokens" in dcp.output
-    assert any(size == 1 for figures in dcp.dcp.values() for size in figures.cp_sizes)
 
     resume = {"--load": tmp_path / "ckpt", "--ckpt-step": 2}
-    resumed = run_pretrain(
-        flag_list({**options, **resume}), 4, tmp_path / "resumed.log", timeout_s=300
-    )
+    resumed = pretrain({**options, **resume}, tmp_path / "resumed.log")
     assert sorted(resumed.losses) == [3, 4]
     # megatron does not reset its loss accumulator after the first iteration a run logs: the
     # second reports the mean of both (as in the uninterrupted run's iteration 2).

@@ -48,6 +48,12 @@ import megatron_dcp  # noqa: E402
 from megatron_dcp.integration.patches import enable_cpu_backend  # noqa: E402
 from megatron_dcp.runtime.packing import pack_samples, padded_length, padding_multiple  # noqa: E402
 from megatron_dcp.testing.gpt import build_tiny_gpt, gather_full_tensors, make_samples  # noqa: E402
+from megatron_dcp.testing.plan_coverage import (  # noqa: E402
+    Layout,
+    RanPlan,
+    assert_covers,
+    parallel_layout,
+)
 
 TIMEOUT_S = 120
 
@@ -58,8 +64,10 @@ class VerlResult:
     grads: dict = dataclasses.field(repr=False)
     losses: list
     num_tokens: int
-    local_cp_sizes: tuple[int, ...]
     packing: tuple[dict, ...]  # packing_agrees per micro-batch
+    cp_sizes: tuple[int, ...]  # this rank's CP size in each micro-batch of verl's plan
+    num_microbatches: int
+    layout: Layout
 
 
 def verl_batch(samples: Sequence[dict]):
@@ -110,6 +118,22 @@ def local_cp_sizes(micro_batches) -> tuple[int, ...]:
     return tuple(tu.get_non_tensor_data(mb, "local_cp_size", None) for mb in micro_batches)
 
 
+def observe_verl_plans() -> list[RanPlan]:
+    """What verl's DCP plans give this rank, one :class:`RanPlan` per call of its scheduler
+    (``DynamicCPScheduler.schedule``, wrapped in this forked worker only): the rank's CP size
+    in each micro-batch, the micro-batch count and the layout."""
+    plans, schedule = [], DynamicCPScheduler.schedule
+
+    def observed(self, *args, **kwargs):
+        micro_batches = schedule(self, *args, **kwargs)
+        sizes = local_cp_sizes(micro_batches)
+        plans.append(RanPlan(sizes, len(micro_batches), parallel_layout()))
+        return micro_batches
+
+    DynamicCPScheduler.schedule = observed
+    return plans
+
+
 def verl_step(
     rank: int, world_size: int, samples: Sequence[dict], cp: int, budget: int, tp: int = 1
 ):
@@ -121,8 +145,10 @@ def verl_step(
         grads=gather_full_tensors([model]),
         losses=merged["loss"],
         num_tokens=int(sum(s["loss_mask"].sum() for s in samples)),
-        local_cp_sizes=local_cp_sizes(micro_batches),
         packing=tuple(packing_agrees(samples, mb) for mb in micro_batches),
+        cp_sizes=local_cp_sizes(micro_batches),
+        num_microbatches=len(micro_batches),
+        layout=parallel_layout(),
     )
 
 
@@ -244,7 +270,9 @@ CASES = [
 @pytest.mark.parametrize("lengths, world, cp, budget, silent", CASES)
 def test_verl_path_equals_single_process_and_the_adapter(lengths, world, cp, budget, silent):
     samples, verl, adapter, reference = run_verl(lengths, world, cp, budget, silent)
-    assert max(max(r.local_cp_sizes) for r in verl) > 1, "the plan should use CP"
+    layout = Layout(dp=world // cp, cp=cp)
+    assert_covers(verl, layout)  # verl's plan mixes CP sizes
+    assert_covers(adapter, layout)  # and so does the adapter's
     for result, ours in zip(verl, adapter):
         assert result.num_tokens == reference.num_tokens
         assert_padding_contract(result)
@@ -276,7 +304,7 @@ def test_verl_path_at_tp2_equals_single_process(lengths, cp, budget, silent):
     assert any(n % (4 * cp) for n in lengths), "some lengths should need TP's padding"
     verl = run_distributed(verl_step, 8, samples, cp, budget, 2, timeout_s=TIMEOUT_S)
     (reference,) = run_distributed(reference_step, 1, samples, timeout_s=TIMEOUT_S)
-    assert max(max(r.local_cp_sizes) for r in verl) > 1, "the plan should use CP"
+    assert_covers(verl, Layout(tp=2, dp=4 // cp, cp=cp))  # verl's plan mixes CP sizes
     for result in verl:
         assert_padding_contract(result)
         assert sum(result.losses) == pytest.approx(masked_loss(samples, reference.log_probs))
@@ -322,6 +350,7 @@ def verl_mtp_step(rank: int, world_size: int, samples: Sequence[dict], budget: i
     return {
         "entered": entered,
         "cp sizes": list(local_cp_sizes(micro_batches)),
+        "ran": RanPlan(local_cp_sizes(micro_batches), len(micro_batches), parallel_layout()),
         "log_probs": list(merged["model_output"]["log_probs"].unbind()),
     }
 
@@ -330,6 +359,8 @@ def test_mtp_runs_on_each_micro_batch_cp_group():
     samples = make_samples([90, 7, 30], OPTIONS.vocab_size, seed=5)
     results = run_distributed(verl_mtp_step, 4, samples, 32, timeout_s=TIMEOUT_S)
     (reference,) = run_distributed(reference_step, 1, samples, timeout_s=TIMEOUT_S)
+    # 90 tokens need the whole domain at budget 32: every micro-batch on CP 4
+    assert_covers([result["ran"] for result in results], Layout(dp=2, cp=2), cp_sizes={4})
     for result in results:
         assert result["entered"] == result["cp sizes"] and max(result["cp sizes"]) > 1
         for got, want in zip(result["log_probs"], reference.log_probs):

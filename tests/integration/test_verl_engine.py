@@ -36,7 +36,12 @@ from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from test_verl_dcp import OPTIONS, init_verl_megatron, verl_batch  # noqa: E402
+from test_verl_dcp import (  # noqa: E402
+    OPTIONS,
+    init_verl_megatron,
+    observe_verl_plans,
+    verl_batch,
+)
 from verl.plugin.platform import platform_manager  # noqa: E402
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 from verl.workers.config.engine import McoreEngineConfig  # noqa: E402
@@ -55,6 +60,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     make_samples,
     unpacked_token_losses,
 )
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 TIMEOUT_S = 120
 
@@ -235,8 +241,10 @@ def lm_engine(model, cp: int, budget: int) -> MegatronEngineWithLMHead:
 
 
 def engine_step(rank: int, world_size: int, samples, cp: int, budget: int) -> dict:
-    """verl's compute-log-prob call, then its training call with ``sft_loss``."""
+    """verl's compute-log-prob call, then its training call with ``sft_loss``; and what verl's
+    plan of the training call gave this rank."""
     use_cpu_platform()
+    plans = observe_verl_plans()
     init_verl_megatron(cp)
     (model,) = build_tiny_gpt(cp=cp, options=OPTIONS)
     engine = lm_engine(model, cp, budget)
@@ -252,6 +260,7 @@ def engine_step(rank: int, world_size: int, samples, cp: int, budget: int) -> di
         "log_probs": None if output is None else list(output.unbind()),
         "loss": sum(trained["loss"]),
         "grads": {name: g / tokens for name, g in gather_full_tensors([model]).items()},
+        "ran": plans[-1],
     }
 
 
@@ -283,6 +292,7 @@ def test_engine_forward_backward_batch_equals_single_process(lengths, world, cp,
         sample["loss_mask"][0] = 0
     results = run_distributed(engine_step, world, samples, cp, budget, timeout_s=TIMEOUT_S)
     (reference,) = run_distributed(sft_reference, 1, samples, timeout_s=TIMEOUT_S)
+    assert_covers([r["ran"] for r in results], Layout(dp=world // cp, cp=cp))  # a mix
     assert results[0]["log_probs"] is not None  # the output rank: DP 0, CP 0
     for got, want in zip(results[0]["log_probs"], reference["log_probs"]):
         # verl's label of a sequence's last position wraps to its first token: not compared.

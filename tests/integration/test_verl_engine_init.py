@@ -63,6 +63,12 @@ from test_verl_engine import use_cpu_platform  # noqa: E402
 
 import megatron_dcp  # noqa: E402
 from megatron_dcp.integration.patches import enable_cpu_training  # noqa: E402
+from megatron_dcp.testing.plan_coverage import (  # noqa: E402
+    Layout,
+    RanPlan,
+    assert_covers,
+    parallel_layout,
+)
 
 TIMEOUT_S = 240
 WORLD = 4
@@ -420,6 +426,12 @@ def engine_step(rank: int, world_size: int, model_dir: str, samples, dynamic: bo
         "local_cp_sizes": local_cp_sizes,
         "cp": mpu.get_context_parallel_world_size(),
         "dp": engine.get_data_parallel_size(),
+        # what ran: verl's plan under DCP; without it, every sample on the static CP size
+        "ran": RanPlan(
+            tuple(local_cp_sizes) or (mpu.get_context_parallel_world_size(),),
+            len(local_cp_sizes),
+            parallel_layout(),
+        ),
     }
 
 
@@ -498,6 +510,8 @@ def test_engine_built_by_verl_dcp_on_equals_off(llama_dir):
     off = run_engine(llama_dir, samples, dynamic=False)
     assert {(r["cp"], r["dp"]) for r in on["ranks"]} == {(2, 1)}  # DCP: replicated batch
     assert {(r["cp"], r["dp"]) for r in off["ranks"]} == {(1, WORLD)}
+    assert_covers([r["ran"] for r in on["ranks"]], Layout(dp=2, cp=2), mix_of={1, 2})
+    assert_covers([r["ran"] for r in off["ranks"]], Layout(dp=WORLD), cp_sizes={1})
     assert_equal_runs(on, off)
     assert max(on["ranks"][0]["local_cp_sizes"]) == 2  # the long samples ran with CP 2
     assert_checkpoint_weights(off["log_probs"], hf_log_probs(llama_dir, samples))

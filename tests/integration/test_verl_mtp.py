@@ -31,7 +31,12 @@ for extra_module in ("verl", "tensordict"):
 from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
-from test_verl_dcp import OPTIONS, init_verl_megatron, verl_batch  # noqa: E402
+from test_verl_dcp import (  # noqa: E402
+    OPTIONS,
+    init_verl_megatron,
+    observe_verl_plans,
+    verl_batch,
+)
 from test_verl_engine import lm_engine, use_cpu_platform  # noqa: E402
 from verl.workers.utils.losses import sft_loss  # noqa: E402
 
@@ -43,11 +48,14 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     make_samples,
     packed_loss_and_backward,
 )
+from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
 
 TIMEOUT_S = 180
 LENGTHS = (37, 5, 120, 64, 9, 90, 33, 71)
 WORLD, CP = 4, 2  # DP×CP; times TP ranks
-BUDGETS = (48, 96)  # two plans of the same batch
+# Two plans of the same batch, each mixing CP sizes: 48 gives CP 1, 2 and 4 in 3 micro-batches,
+# 56 CP 2 and 4 in 2 (at 64 and above, up to 112, the planner returns the static plan, CP 2 only).
+BUDGETS = (48, 56)
 
 
 def options(depth: int):
@@ -59,7 +67,8 @@ def engine_train(
 ):
     """verl's training call with ``sft_loss`` and MTP; ``rule="megatron"``: without the global
     ratios (megatron's per-micro-batch weighting). Full gradients over the routed-token count
-    (what megatron's finalize_model_grads divides by under verl's per-token regime)."""
+    (what megatron's finalize_model_grads divides by under verl's per-token regime), and what
+    verl's plan gave this rank."""
     from verl.utils.megatron_utils import patch_engine_mtp
 
     from megatron_dcp.integration.patches import dev_api
@@ -67,6 +76,7 @@ def engine_train(
     if rule == "megatron":  # a forked worker: the parent is untouched
         dev_api.replicated_batch_ratios = lambda micro_batches, model: None
     use_cpu_platform()
+    plans = observe_verl_plans()
     init_verl_megatron(CP, tp)
     (model,) = build_tiny_gpt(tp=tp, cp=CP, options=options(depth))
     engine = lm_engine(model, CP, budget)
@@ -76,7 +86,7 @@ def engine_train(
     batch["temperature"] = torch.ones(len(samples))
     engine.forward_backward_batch(batch, partial(sft_loss, None), forward_only=False)
     routed = sum(len(sample["tokens"]) for sample in samples)
-    return {name: g / routed for name, g in gather_full_tensors([model]).items()}
+    return {name: g / routed for name, g in gather_full_tensors([model]).items()}, plans[-1]
 
 
 def verl_layout(samples):
@@ -137,7 +147,9 @@ def test_mtp_gradients_under_verl_are_packing_independent(samples, depth, budget
     (reference,) = run_distributed(one_microbatch_reference, 1, samples, depth, timeout_s=TIMEOUT_S)
     for budget in budgets:
         step = partial(engine_train, budget=budget, depth=depth, rule="global", tp=tp)
-        for grads in run_distributed(step, WORLD * tp, samples, timeout_s=TIMEOUT_S):
+        results = run_distributed(step, WORLD * tp, samples, timeout_s=TIMEOUT_S)
+        assert_covers([ran for _, ran in results], Layout(tp=tp, dp=WORLD // CP, cp=CP))
+        for grads, _ in results:
             assert_grads_close(grads, reference)
 
 
@@ -146,7 +158,9 @@ def test_megatron_rule_under_verl_depends_on_the_packing(samples):
     so the test above would catch a path that lost them."""
     (reference,) = run_distributed(one_microbatch_reference, 1, samples, 1, timeout_s=TIMEOUT_S)
     step = partial(engine_train, budget=BUDGETS[0], depth=1, rule="megatron")
-    (grads, *_) = run_distributed(step, WORLD, samples, timeout_s=TIMEOUT_S)
+    results = run_distributed(step, WORLD, samples, timeout_s=TIMEOUT_S)
+    assert_covers([ran for _, ran in results], Layout(dp=WORLD // CP, cp=CP))  # packings differ
+    grads = results[0][0]
     with pytest.raises(AssertionError):
         assert_grads_close(grads, reference)
 
