@@ -1,7 +1,9 @@
 """End-to-end training runs of ``megatron_dcp.pretrain_gpt`` on 8 CPU ranks (one per case):
 
 1. ten iterations, saving a checkpoint every five: per-iteration ``lm loss`` within
-   ``GOLDEN_RTOL`` of ``golden_values.json``;
+   ``GOLDEN_RTOL`` of ``golden_values.json``, and the model it trained is the one the case's
+   flags ask for (megatron's parameter count on every tensor / pipeline rank against
+   ``testing.model_size``'s, computed from the flags: an ignored ``--num-experts`` shows);
 2. resumed from the iteration-5 checkpoint: iterations 6-10 reproduce run 1 (``RESUME_RTOL``),
    both runs with ``--dcp-prefetch on`` (the default): the batch prefetched after the saved
    iteration is neither lost nor skipped;
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dcp.testing.functional import case_names, load_case, run_case
+from megatron_dcp.testing.model_size import check_model_size
 from megatron_dcp.testing.plan_coverage import assert_covers, training_run_plan
 from megatron_dcp.tools.launcher import RunLog
 
@@ -46,6 +49,7 @@ def full_run(request, tmp_path_factory):
 
 def test_losses_match_goldens(full_run):
     case, _, log = full_run
+    check_model_size(case.model_args, log.parameters)
     assert_losses(log.losses, case.goldens(), GOLDEN_RTOL, "DCP run vs goldens")
     # The mock data is learnable (a seeded Markov chain): a model that stopped learning shows.
     assert log.losses[case.train_iters] < LEARNED * log.losses[1], "the loss did not fall"
@@ -71,5 +75,6 @@ def test_static_cp_gives_the_same_losses(full_run):
     case, workdir, log = full_run
     assert_covers(training_run_plan(log), case.layout)  # a mix of CP sizes
     static: RunLog = run_case(case, workdir, "static", scheduler="dp_balanced")
+    check_model_size(case.model_args, static.parameters)
     assert_losses(static.losses, log.losses, STATIC_RTOL, "dp_balanced vs DCP")
     assert_covers(training_run_plan(static), case.layout, cp_sizes={case.layout.cp})

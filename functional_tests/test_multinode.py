@@ -1,7 +1,8 @@
 """The multi-node launch of docs/scaling.md, proved on this machine: two torchrun agents
 (``--nnodes 2``, one per "node") meet at a c10d rendezvous on loopback and train the tiny GPT
 under DCP with the losses of one agent running the same world size; when one node dies (its
-agent and its ranks), the other agent exits with an error within seconds."""
+agent and its ranks), the other agent exits with an error within seconds. Both jobs trained
+the model their flags ask for (megatron's parameter count against ``testing.model_size``)."""
 
 import socket
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from megatron_dcp.testing.functional import load_case
+from megatron_dcp.testing.model_size import check_model_size, flags_of
 from megatron_dcp.tools.launcher import (
     flag_list,
     kill_tree,
@@ -66,6 +68,8 @@ def test_two_agents_train_like_one(tmp_path):
     assert sorted(two.losses) == list(range(1, TRAIN_ITERS + 1))
     assert two.losses == pytest.approx(one.losses, rel=1e-6)
     assert len(two.dcp) == TRAIN_ITERS
+    for run in (two, one):
+        check_model_size(flags_of(job_flags()), run.parameters)
 
 
 def test_a_dead_node_stops_the_other_within_its_timeouts(tmp_path):

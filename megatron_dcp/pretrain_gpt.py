@@ -33,7 +33,8 @@ import_megatron_core()
 from megatron.training.argument_utils import gpt_config_from_args  # noqa: E402
 
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
-from megatron_dcp.integration.cpu.core_attention import reference_layer_spec  # noqa: E402
+from megatron_dcp.integration.cpu.gpt_layer_spec import local_gpt_layer_spec  # noqa: E402
+from megatron_dcp.integration.cpu.spec_refusals import check_local_gpt_spec  # noqa: E402
 from megatron_dcp.integration.training.entry import (  # noqa: E402
     CPU_DEFAULTS,
     check_args,
@@ -45,22 +46,40 @@ from megatron_dcp.integration.training.entry import (  # noqa: E402
 )
 
 
+def uses_local_spec(model_config: Any) -> bool:
+    """The model is built from megatron's local modules with the reference attention: on the CPU
+    backend, and with ``--transformer-impl local``."""
+    return ON_CPU or model_config.transformer.transformer_impl == "local"
+
+
 def layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
-    """The reference THD/CP attention on CPU; megatron's default (Transformer Engine) on GPU."""
-    if ON_CPU or config.transformer.transformer_impl == "local":
-        return reference_layer_spec()
+    """The local modules with the reference THD/CP attention on CPU (and with
+    ``--transformer-impl local``), following the config; megatron's default on GPU."""
+    if uses_local_spec(config):
+        return local_gpt_layer_spec(config, vp_stage)
     from megatron.training.models.gpt import default_layer_spec
 
     return default_layer_spec(config, vp_stage)
+
+
+def model_config_from_args(args: Any) -> Any:
+    """megatron's GPT model config of ``args`` with this entry point's layer spec (a ``--spec``
+    of the user's stays); a setting the local spec cannot build is a ValueError here, at
+    start-up (``integration.cpu.gpt_layer_spec``)."""
+    model_config = gpt_config_from_args(args)
+    if getattr(args, "spec", None) is not None:
+        return model_config
+    if uses_local_spec(model_config):
+        check_local_gpt_spec(model_config, on_cpu=ON_CPU)
+    model_config.transformer_layer_spec = layer_spec
+    return model_config
 
 
 def prepare(argv: Optional[List[str]] = None) -> Tuple[Any, DCPConfig, Any]:
     """The arguments, the DCP config and the GPT model config, every start-up check passed."""
     if ON_CPU:
         torch.set_num_threads(1)  # several ranks share the few cores
-    args, config, model_config = start(argv, check_args, gpt_config_from_args)
-    model_config.transformer_layer_spec = layer_spec
-    return args, config, model_config
+    return start(argv, check_args, model_config_from_args)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -73,6 +92,7 @@ __all__ = [
     "datasets_provider",
     "extra_args",
     "main",
+    "model_config_from_args",
     "parse_args",
     "prepare",
     "start",

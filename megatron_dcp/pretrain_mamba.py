@@ -31,6 +31,7 @@ from megatron.training.argument_utils import hybrid_config_from_args  # noqa: E4
 
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
 from megatron_dcp.integration.cpu.hybrid_stack import reference_hybrid_stack_spec  # noqa: E402
+from megatron_dcp.integration.cpu.spec_refusals import check_local_hybrid_spec  # noqa: E402
 from megatron_dcp.integration.model_checks import check_mamba_cp  # noqa: E402
 from megatron_dcp.integration.training.entry import check_args, start, train  # noqa: E402
 
@@ -70,14 +71,23 @@ def plan_cp_sizes(args: argparse.Namespace, config: DCPConfig) -> tuple:
     return config.build_scheduler(domain_size).domain.group_sizes
 
 
+def model_config_from_args(args: argparse.Namespace) -> Any:
+    """megatron's hybrid model config of ``args``; on CPU (and with ``--transformer-impl local``)
+    with the local hybrid stack, after refusing what it cannot build (a ValueError, at start-up).
+    A ``--spec`` of the user's stays."""
+    model_config = hybrid_config_from_args(args)
+    local = ON_CPU or model_config.transformer.transformer_impl == "local"
+    if local and getattr(args, "spec", None) is None:
+        check_local_hybrid_spec(model_config, on_cpu=ON_CPU)
+        model_config.hybrid_stack_spec = reference_hybrid_stack_spec(model_config.transformer)
+    return model_config
+
+
 def prepare(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, DCPConfig, Any]:
     """The arguments, the DCP config and the hybrid model config, every start-up check passed."""
     if ON_CPU:
         torch.set_num_threads(1)  # several ranks share the few cores
-    args, config, model_config = start(argv, check_hybrid_args, hybrid_config_from_args)
-    if ON_CPU or model_config.transformer.transformer_impl == "local":
-        model_config.hybrid_stack_spec = reference_hybrid_stack_spec()
-    return args, config, model_config
+    return start(argv, check_hybrid_args, model_config_from_args)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -15,9 +15,11 @@ def init_megatron(
     vpp: Optional[int] = None,
     seed: int = 1234,
     ep: int = 1,
+    etp: Optional[int] = None,
 ) -> None:
     """Megatron model-parallel state on an initialised (gloo) default group, CPU shims on, RNG
-    seeded. ``parallel_state.destroy_model_parallel()`` afterwards (``run_distributed`` does)."""
+    seeded; ``etp``: the expert tensor-parallel size (None: ``tp``, megatron's default).
+    ``parallel_state.destroy_model_parallel()`` afterwards (``run_distributed`` does)."""
     from megatron.core import parallel_state, tensor_parallel
 
     enable_cpu_backend()
@@ -27,5 +29,6 @@ def init_megatron(
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

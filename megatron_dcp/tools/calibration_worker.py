@@ -142,10 +142,10 @@ def build_model(args: argparse.Namespace) -> Any:
     from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from megatron_dcp.integration.cpu.core_attention import reference_layer_spec
+    from megatron_dcp.integration.cpu.gpt_layer_spec import local_gpt_layer_spec
 
     model_config = gpt_config_from_args(args)
-    model_config.transformer_layer_spec = reference_layer_spec()
+    model_config.transformer_layer_spec = local_gpt_layer_spec
     model_config.finalize()
     builder = GPTModelBuilder(model_config)
     return builder.build_model(ProcessGroupCollection.use_mpu_process_groups())

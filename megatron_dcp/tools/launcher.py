@@ -1,7 +1,8 @@
 """Launch ``megatron_dcp.pretrain_gpt`` with torchrun and read back what it logged.
 
 Used by the quick-start and the functional tests: each run is a real multi-process training job;
-the per-iteration ``lm loss`` and the ``[DCP]`` figures are parsed from its output.
+the per-iteration ``lm loss``, the ``[DCP]`` figures and megatron's parameter count are parsed
+from its output.
 :func:`start_agents` launches one torchrun agent per node meeting at a c10d rendezvous (the
 multi-node launch of docs/scaling.md, here with every node on this machine).
 """
@@ -15,13 +16,21 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.eE+-]+)")
 DCP_LINE = re.compile(
     r"\[DCP\] iteration\s+(\d+) \| micro-batches: (\d+) \| CP sizes \(size:seqs\): ([\d: ]+) \| "
     r"plan time \(ms\): ([\d.]+) \| load imbalance est\./meas\.: ([\d.]+)/([\d.]+) \| "
     r"fwd-bwd time \(ms\) pred\./meas\.: ([\d.]+)/([\d.]+) \| tokens/s: (\d+)"
+)
+
+# megatron's count of the model's parameters on each (tensor, pipeline) rank, printed once per
+# rank pair by data-parallel and context-parallel rank 0 (the middle rank, GPU weight
+# rematerialisation, is 0 on these runs).
+PARAMETERS = re.compile(
+    r"number of parameters on \(tensor, \w+, pipeline\) model parallel rank "
+    r"\((\d+), \d+, (\d+)\): (\d+)"
 )
 
 
@@ -42,17 +51,21 @@ class DCPFigures:
 
 @dataclass
 class RunLog:
-    """What a training run printed: losses and DCP figures by iteration, and the whole output."""
+    """What a training run printed: losses and DCP figures by iteration, the model's parameters
+    by (tensor rank, pipeline rank), and the whole output."""
 
     losses: Dict[int, float] = field(default_factory=dict)
     dcp: Dict[int, DCPFigures] = field(default_factory=dict)
     output: str = ""
+    parameters: Dict[Tuple[int, int], int] = field(default_factory=dict)
 
 
 def parse_log(text: str) -> RunLog:
     log = RunLog(output=text)
     for match in ITERATION.finditer(text):
         log.losses[int(match.group(1))] = float(match.group(2))
+    for match in PARAMETERS.finditer(text):
+        log.parameters[int(match.group(1)), int(match.group(2))] = int(match.group(3))
     for match in DCP_LINE.finditer(text):
         sizes = dict(tuple(map(int, pair.split(":"))) for pair in match.group(3).split())
         log.dcp[int(match.group(1))] = DCPFigures(

@@ -1,12 +1,16 @@
 """``megatron-dcp bench-train`` end to end on 2 CPU ranks: a fair run reports every arm from
 real training steps; a run whose one arm reads perturbed samples is refused by the digest check
-(the fault injected through the worker's test-only ``MEGATRON_DCP_BENCH_PERTURB``)."""
+(the fault injected through the worker's test-only ``MEGATRON_DCP_BENCH_PERTURB``). The fair
+run trained the model its flags ask for (megatron's parameter count in its log against
+``testing.model_size``)."""
 
 import json
 
 import pytest
 
-from megatron_dcp.tools.cli.bench_train import DigestMismatch, bench_train
+from megatron_dcp.testing.model_size import check_model_size, flags_of
+from megatron_dcp.tools.cli.bench_train import DigestMismatch, bench_train, training_flags
+from megatron_dcp.tools.launcher import parse_log
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -28,6 +32,8 @@ def test_a_fair_run_reports_every_arm_from_real_steps(tmp_path, capsys):
     dcp = result["summaries"]["dcp"]
     assert dcp["speedup"]["low"] <= dcp["speedup"]["value"] <= dcp["speedup"]["high"]
     assert (tmp_path / "bench_train.png").stat().st_size > 0
+    flags = flags_of(training_flags(TINY, 2, len(turns)))
+    check_model_size(flags, parse_log((tmp_path / "train.log").read_text()).parameters)
 
 
 def test_an_arm_that_reads_other_samples_is_refused(tmp_path, monkeypatch):

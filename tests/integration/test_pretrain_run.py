@@ -1,6 +1,7 @@
 """``megatron_dcp.pretrain_gpt`` end to end on real (indexed) data: documents of a megatron
 indexed dataset, one per sample, through 2 CPU ranks (CP2) for a few iterations with evaluation;
-and with sequence parallelism and the distributed optimizer (tp2·cp2, 4 CPU ranks)."""
+and with sequence parallelism and the distributed optimizer (tp2·cp2, 4 CPU ranks). Each run
+trained the model its flags ask for (megatron's parameter count against ``testing.model_size``)."""
 
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.testing.model_size import check_model_size
 from megatron_dcp.tools.launcher import flag_list, run_pretrain
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
@@ -55,6 +57,7 @@ def indexed_run_options(tmp_path, documents: int, **overrides) -> dict:
 def test_training_on_indexed_documents(tmp_path):
     options = indexed_run_options(tmp_path, 60)
     log = run_pretrain(flag_list(options), 2, tmp_path / "run.log", timeout_s=300)
+    check_model_size(options, log.parameters)
     assert sorted(log.losses) == [1, 2, 3] and sorted(log.dcp) == [1, 2, 3]
     assert all(4.0 < loss < 6.0 for loss in log.losses.values())  # ≈ ln(128) at the start
     assert "validation loss at iteration 3" in log.output
@@ -71,6 +74,8 @@ def test_prefetch_on_and_off_train_alike(tmp_path):
     on = run_pretrain(flag_list(options), 4, tmp_path / "on.log", timeout_s=300)
     options["--dcp-prefetch"] = "off"
     off = run_pretrain(flag_list(options), 4, tmp_path / "off.log", timeout_s=300)
+    check_model_size(options, on.parameters)
+    check_model_size(options, off.parameters)
     assert "DCP prefetch: on" in on.output and "DCP prefetch: off" in off.output
     assert sorted(on.losses) == [1, 2, 3, 4] and on.losses == off.losses
     validation = re.compile(r"validation loss at iteration (\d+).*?lm loss value: (\S+)")
@@ -106,6 +111,7 @@ def test_sequence_parallel_and_distributed_optimizer_on_cpu(tmp_path):
         "--log-interval": 1,
     }
     log = run_pretrain(flag_list(options), 4, tmp_path / "run.log", timeout_s=300)
+    check_model_size(options, log.parameters)
     assert sorted(log.losses) == [1, 2, 3] and sorted(log.dcp) == [1, 2, 3]
     assert all(4.0 < loss < 6.0 for loss in log.losses.values())
     for setting in ("sequence_parallel", "use_distributed_optimizer"):

@@ -92,3 +92,14 @@ def test_the_quickstart_prints_the_table_and_its_notes(monkeypatch, capsys, tmp_
     assert "CP/LB prior s/d" in out and "imbalance" not in out
     assert "8 ranks share 2 cores here" in out and "megatron-dcp bench-train" in out
     assert drawn == [(plans[0], COST, tmp_path / "plan_iteration1.png")]
+
+
+def test_the_quickstart_trains_the_model_of_the_tp2_functional_case():
+    """The quick-start's runs are recorded above (no model is built here); the model its flags
+    ask for is the dense GPT of ``gpt3_tp2_pp1_cp4_dcp``, whose runs check megatron's parameter
+    count (functional_tests)."""
+    from megatron_dcp.testing.functional import load_case
+    from megatron_dcp.testing.model_size import expected_parameters
+
+    case = load_case("gpt3_tp2_pp1_cp4_dcp")
+    assert expected_parameters(quickstart.MODEL) == expected_parameters(case.model_args)

@@ -1,5 +1,6 @@
 """``megatron-dcp sft-corpus`` prints a training command that runs as printed: the test pastes
-it into a shell (2 CPU ranks, a tiny model, 4 iterations; about a minute)."""
+it into a shell (2 CPU ranks, a tiny model, 4 iterations; about a minute), and it trains the
+model its flags ask for (megatron's parameter count against ``testing.model_size``)."""
 
 import shlex
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.testing.model_size import check_model_size, flags_of
 from megatron_dcp.tools.launcher import parse_log
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
@@ -43,3 +45,9 @@ def test_the_printed_training_command_runs_as_printed(tmp_path):
     assert sorted(log.losses) == list(range(1, iterations + 1))
     assert sorted(log.dcp) == sorted(log.losses)  # planned by DCP every iteration
     assert "loss on the assistant's tokens" in done.stdout
+    words = shlex.split(command)
+    flags = flags_of(words[words.index("megatron_dcp.pretrain_gpt") + 1 :])
+    from transformers import AutoTokenizer
+
+    vocabulary = len(AutoTokenizer.from_pretrained(str(flags["--tokenizer-model"])))
+    check_model_size(flags, log.parameters, vocab_size=vocabulary)

@@ -119,20 +119,33 @@ def _check_supported(
     config: TransformerConfig, attn_mask_type: AttnMaskType, attention_dropout: Optional[float]
 ) -> None:
     """ValueErrors naming the setting ReferenceCoreAttention cannot honour."""
-    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-    if dropout:
-        raise ValueError(
-            f"ReferenceCoreAttention has no attention dropout (got {dropout}); "
-            "set --attention-dropout 0 (TransformerConfig.attention_dropout=0.0)"
-        )
+    check_reference_attention(config, attention_dropout)
     if attn_mask_type != AttnMaskType.causal:
         raise ValueError(
             f"ReferenceCoreAttention is causal only, got attn_mask_type={attn_mask_type}"
         )
-    if config.softmax_type != "vanilla" or config.window_size is not None:
+
+
+def check_reference_attention(
+    config: TransformerConfig, attention_dropout: Optional[float] = None
+) -> None:
+    """ValueErrors, naming the flag and its value, for the settings of ``config`` the reference
+    attention does not compute (the entry points check them at start-up)."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
         raise ValueError(
-            "ReferenceCoreAttention supports softmax_type='vanilla' without window_size, "
-            f"got softmax_type={config.softmax_type!r}, window_size={config.window_size}"
+            f"--attention-dropout {dropout}: ReferenceCoreAttention has no attention dropout; "
+            "set --attention-dropout 0 (TransformerConfig.attention_dropout=0.0)"
+        )
+    if config.softmax_type != "vanilla":
+        raise ValueError(
+            f"--softmax-type {config.softmax_type}: ReferenceCoreAttention computes the vanilla "
+            "softmax only; drop --softmax-type (vanilla)"
+        )
+    if config.window_size is not None:
+        raise ValueError(
+            f"--window-size {config.window_size}: ReferenceCoreAttention has no sliding window "
+            "(it attends to every earlier token); drop --window-size"
         )
 
 

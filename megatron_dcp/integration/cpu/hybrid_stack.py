@@ -8,10 +8,15 @@ same stack is built from megatron's local modules instead, with the reference TH
   row parallel projections (its SSM and conv kernels: ``integration.cpu.mamba_kernels``);
 - ``*`` (attention): ``TransformerLayer`` with the input norm, self-attention of the local GPT
   spec and ``ReferenceCoreAttention``, no MLP;
-- ``-`` (MLP): ``MLPLayer`` with the pre-MLP norm and the local GPT spec's MLP.
+- ``-`` (MLP): ``MLPLayer`` with the pre-MLP norm and the local GPT spec's MLP;
+- ``E`` (MoE): ``MoETransformerLayer`` with the pre-MLP norm and megatron's local MoE spec
+  (sequential experts, ``SequentialMLP``; the TE stack's are grouped, the same parameters).
 
-The parameters are those of the TE stack, with each fused norm weight held by the layer's own
-norm module instead (different names in a checkpoint, the same computation).
+The attention layers follow the config as the TE stack's do: ``--qk-layernorm`` builds q/k norms
+of the ``--normalization`` type, ``--qk-l2-norm`` L2 norms. The parameters are those of the TE
+stack, with each fused norm weight held by the layer's own norm module instead (different names
+in a checkpoint, the same computation). Layers it has no module for (``G``, ``D``, ``+``, MTP)
+are refused at start-up (``spec_refusals.check_local_hybrid_spec``).
 
 Mamba's context-parallel all-to-alls undo and redo the zigzag layout of packed (THD) sequences
 with Transformer Engine's ``thd_get_partitioned_indices``; :data:`THD_INDICES` computes the same
@@ -21,7 +26,7 @@ indices from the runtime's zigzag layout.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -29,8 +34,9 @@ from megatron_dcp.integration.cpu.core_attention import reference_layer_spec
 from megatron_dcp.runtime.packing import local_token_indices
 
 
-def reference_hybrid_stack_spec() -> Any:
-    """``HybridStack``'s spec from local modules and the reference attention (module docstring)."""
+def reference_hybrid_stack_spec(config: Optional[Any] = None) -> Any:
+    """``HybridStack``'s spec from local modules and the reference attention (module docstring),
+    its attention layers' q/k norms as ``config`` (a ``TransformerConfig``; None: none) asks."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
@@ -43,7 +49,7 @@ def reference_hybrid_stack_spec() -> Any:
         TransformerLayerSubmodules,
     )
 
-    gpt = reference_layer_spec().submodules
+    gpt = reference_layer_spec(**_attention_options(config)).submodules
     mixer = ModuleSpec(
         module=MambaMixer,
         submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
@@ -65,8 +71,38 @@ def reference_hybrid_stack_spec() -> Any:
             mamba_layer=ModuleSpec(module=MambaLayer, submodules=mamba),
             attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
             mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
+            moe_layer=_moe_layer(gpt.pre_mlp_layernorm),
         ),
     )
+
+
+def _attention_options(config: Optional[Any]) -> dict:
+    """``get_gpt_layer_local_spec``'s q/k norm options of ``config``."""
+    if config is None:
+        return {}
+    return dict(
+        qk_layernorm=config.qk_layernorm,
+        qk_l2_norm=config.qk_l2_norm,
+        normalization=config.normalization,
+    )
+
+
+def _moe_layer(norm: Any) -> Any:
+    """The ``E`` layer: the pre-MLP norm and megatron's local MoE (sequential experts)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    # The spec does not depend on the number of experts (the config's is built).
+    moe = get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=False)
+    submodules = TransformerLayerSubmodules(
+        pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add
+    )
+    return ModuleSpec(module=MoETransformerLayer, submodules=submodules)
 
 
 def local_norm(config: Any, hidden_size: int, eps: float = 1e-5) -> Any:

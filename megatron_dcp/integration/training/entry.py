@@ -21,6 +21,7 @@ from megatron.training.utils import print_rank_0, print_rank_last
 
 from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args
 from megatron_dcp.integration.cpu.parallel import cpu_notice
+from megatron_dcp.integration.cpu.spec_refusals import check_cpu_args
 from megatron_dcp.integration.data.chat import chat_tokenizer, check_tokenizer_type
 from megatron_dcp.integration.data.datasets import build_varlen_datasets
 from megatron_dcp.integration.model_checks import check_model_config
@@ -57,14 +58,18 @@ def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentP
     """megatron's ``extra_args_provider``: the DCP flags, per-token loss on (DCP needs it), the
     CPU defaults when CUDA is absent, and a parser that reads ``argv`` (default: the command
     line) and answers a typo with the DCP flags' usage, not megatron's whole usage (a usage the
-    caller set on the parser wins)."""
+    caller set on the parser wins); on CPU, the flags megatron's own validation cannot reach
+    there are refused first (``cpu.spec_refusals.check_cpu_args``)."""
 
     def provide(parser: argparse.ArgumentParser) -> EntryParser:
         add_dcp_args(parser)
         parser.set_defaults(calculate_per_token_loss=True, **(CPU_DEFAULTS if on_cpu() else {}))
+        check = check_cpu_args if on_cpu() else None
         if parser.usage:
-            return EntryParser(parser, argv)
-        return EntryParser(parser, argv, usage=lambda: short_usage(parser.prog, add_dcp_args))
+            return EntryParser(parser, argv, check=check)
+        return EntryParser(
+            parser, argv, usage=lambda: short_usage(parser.prog, add_dcp_args), check=check
+        )
 
     return provide
 

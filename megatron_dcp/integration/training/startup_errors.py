@@ -153,17 +153,21 @@ class EntryParser:
     """megatron's parser (with the DCP flags) as an ``extra_args_provider`` returns it: reads
     ``argv`` (default: the command line) and answers a command-line error with ``usage`` (a
     callable; the DCP flags' usage) and argparse's one line plus "did you mean" for a near miss,
-    on rank 0, exit status 2."""
+    on rank 0, exit status 2. ``check`` sees the parsed arguments before megatron validates
+    them (its ValueError is a start-up refusal): for settings megatron's validation cannot reach
+    on this machine (on CPU, ``--moe-grouped-gemm`` queries the CUDA device)."""
 
     def __init__(
         self,
         parser: argparse.ArgumentParser,
         argv: Optional[Sequence[str]] = None,
         usage: Optional[Callable[[], str]] = None,
+        check: Optional[Callable[[argparse.Namespace], Any]] = None,
     ) -> None:
         self.parser = parser
         self.argv = None if argv is None else list(argv)
         self.usage = usage or parser.format_usage
+        self.check = check
         parser.exit_on_error = False  # argument errors come back here, before any usage
         parser.formatter_class = LiteralPercentHelpFormatter
 
@@ -171,6 +175,8 @@ class EntryParser:
         args, unknown = self.parse_known_args()
         if unknown:
             self.fail(f"unrecognized arguments: {' '.join(unknown)}", self.near_flags(unknown))
+        if self.check is not None:
+            self.check(args)
         return args
 
     def parse_known_args(self) -> Tuple[argparse.Namespace, List[str]]:
