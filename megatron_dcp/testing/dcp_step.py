@@ -72,7 +72,15 @@ def dcp_training_step(
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
-    init_megatron(tp, pp, cp, vpp, seed=options.seed, ep=options.expert_parallel)
+    init_megatron(
+        tp,
+        pp,
+        cp,
+        vpp,
+        seed=options.seed,
+        ep=options.expert_parallel,
+        etp=options.expert_tensor_parallel,
+    )
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
     use_p2p_overlap(chunks[0].config, overlap)

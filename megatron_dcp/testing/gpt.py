@@ -74,6 +74,7 @@ class TinyGPTOptions:
     moe_aux_loss_coeff: Union[float, tuple[float, ...]] = 0.0  # one per type
     moe_z_loss_coeff: Optional[float] = None
     expert_parallel: int = 1
+    expert_tensor_parallel: Optional[int] = None  # None: the TP size (megatron's default)
 
 
 @dataclasses.dataclass(frozen=True)

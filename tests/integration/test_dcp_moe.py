@@ -256,19 +256,9 @@ def test_tp_cp_groups_are_tp_times_each_cp_block():
 # gloo cannot). A DP×CP domain of 2 positions: with a budget of 32 a 64-token sample needs a
 # group of 2 and a 32-token one runs alone, so one step mixes groups of 1 (the router reduces
 # over the TP group) and 2 (over a TP×CP group of 4), one sample per pack.
-TP_MOE = dataclasses.replace(AUX_ON, sequence_parallel=True)
+# Expert tensor parallelism 1: each TP rank holds whole experts.
+TP_MOE = dataclasses.replace(AUX_ON, sequence_parallel=True, expert_tensor_parallel=1)
 TP_LENGTHS = (64, 32, 32, 64)
-
-
-def moe_step_expert_tp1(rank, world_size, samples, **step):
-    """:func:`moe_step` with megatron's expert tensor parallelism 1."""
-    from unittest import mock
-
-    from megatron.core import parallel_state
-
-    initialize = partial(parallel_state.initialize_model_parallel, expert_tensor_parallel_size=1)
-    with mock.patch.object(parallel_state, "initialize_model_parallel", initialize):
-        return moe_step(rank, world_size, samples, **step)
 
 
 def test_tp2_aux_losses_and_gradients_with_mixed_cp_sizes_equal_single_process():
@@ -277,7 +267,7 @@ def test_tp2_aux_losses_and_gradients_with_mixed_cp_sizes_equal_single_process()
     and z-loss gradients included) equal the single-process run."""
     samples = make_samples(TP_LENGTHS, MOE.vocab_size, seed=5)
     reference, _ = run_distributed(moe_reference, 1, samples, TP_MOE, timeout_s=240)[0]
-    step = partial(moe_step_expert_tp1, tp=2, cp=2, budget=32, options=TP_MOE)
+    step = partial(moe_step, tp=2, cp=2, budget=32, options=TP_MOE)
     result = run_distributed(step, 4, samples, timeout_s=240)[0][0]
     assert_covers(result, Layout(tp=2, cp=2), mix_of={1, 2})
     assert_step_matches(result, reference)
