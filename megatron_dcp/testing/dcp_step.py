@@ -72,15 +72,7 @@ def dcp_training_step(
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
-    init_megatron(
-        tp,
-        pp,
-        cp,
-        vpp,
-        seed=options.seed,
-        ep=options.expert_parallel,
-        etp=options.expert_tensor_parallel,
-    )
+    init_model_parallel(tp, pp, cp, vpp, options)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
     use_p2p_overlap(chunks[0].config, overlap)
@@ -117,6 +109,14 @@ def dcp_training_step(
         grads,
         parallel_layout(),
     )
+
+
+def init_model_parallel(
+    tp: int, pp: int, cp: int, vpp: Optional[int], options: TinyGPTOptions
+) -> None:
+    """megatron's parallel state for the layout and ``options``' model (seed, expert layout)."""
+    ep, etp = options.expert_parallel, options.expert_tensor_parallel
+    init_megatron(tp, pp, cp, vpp, seed=options.seed, ep=ep, etp=etp)
 
 
 def global_loss(losses: Sequence[dict]) -> tuple[float, int]:
@@ -217,7 +217,7 @@ def dcp_training_run(
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
-    init_megatron(tp, pp, cp, vpp, seed=options.seed)
+    init_model_parallel(tp, pp, cp, vpp, options)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
     models, optimizer = with_ddp_and_adam(chunks, distributed_optimizer, overlap)

@@ -24,7 +24,6 @@ import sys
 from typing import List, Sequence, Tuple
 
 from megatron_dcp.scheduling import SCHEDULERS
-from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.dynamic_cp.scheduler import DefaultDynamicCPScheduler
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import MicroBatch
@@ -42,14 +41,7 @@ class StaticPlanScheduler(DefaultDynamicCPScheduler):
         sizes = [s for s in domain.group_sizes if s >= domain.cp_size and domain.size % s == 0]
         for size in sizes:
             try:
-                plan = DPBalancedScheduler(
-                    domain.size // size,
-                    size,
-                    domain.budget,
-                    domain.min_cp_size,
-                    self.microbatch_group_size_per_vp_stage,
-                    self.cost_model,
-                ).schedule(seqlens)
+                plan = self.static_scheduler(size).schedule(seqlens)
             except SchedulingError:
                 continue
             return list(plan.microbatches)

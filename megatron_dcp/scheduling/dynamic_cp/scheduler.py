@@ -92,20 +92,25 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         run them: DCP competes with it under the same cost model and never plans longer.
         Batches with empty samples keep DCP's plan (static bins may hold only empty samples,
         idle ranks that DCP's plans never have)."""
-        domain = self.domain
         if 0 in seqlens:
             return None
         try:
-            return DPBalancedScheduler(
-                domain.dp_size,
-                domain.cp_size,
-                domain.budget,
-                domain.min_cp_size,
-                self.microbatch_group_size_per_vp_stage,
-                self.cost_model,
-            ).schedule(seqlens)
+            return self.static_scheduler(self.domain.cp_size).schedule(seqlens)
         except SchedulingError:
             return None
+
+    def static_scheduler(self, cp_size: int) -> DPBalancedScheduler:
+        """``dp_balanced`` on this scheduler's DP×CP domain with static CP groups of
+        ``cp_size`` ranks, under the same budget, VPP grouping and cost model."""
+        domain = self.domain
+        return DPBalancedScheduler(
+            domain.size // cp_size,
+            cp_size,
+            domain.budget,
+            domain.min_cp_size,
+            self.microbatch_group_size_per_vp_stage,
+            self.cost_model,
+        )
 
     def path(self, seqlens: tuple, microbatches: Sequence[MicroBatch]) -> float:
         """The critical path of DCP's own ``microbatches`` under this scheduler's cost model."""
