@@ -2,6 +2,7 @@
 group (also on exceptions), and the TE attention correction on a recording stand-in for TE's
 ``set_context_parallel_group``."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -276,3 +277,32 @@ def test_moe_router_switch_refuses_a_missing_tp_cp_group_and_moe_recompute(layer
         forward(layer, "h", packed_seq_params=params)
     assert layer.mlp.router.tp_cp_group is STATIC
     forward(layer, "h", packed_seq_params=None)  # static CP: megatron's own path, no refusal
+
+
+def test_the_checkpoint_queue_server_does_not_rerun_the_entry_module(tmp_path, monkeypatch):
+    """megatron's first checkpoint save starts a spawn manager for its write results; with the
+    cpu_training entry its server process runs without re-running the training entry module
+    (which imports megatron again in every rank), and without it, it re-runs it."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    entry = next(p for p in patches.entries("cpu_training") if "checkpoint_queue" in p.name)
+    marker = tmp_path / "entry_ran"
+    script = tmp_path / "entry.py"
+    script.write_text(f"open({str(marker)!r}, 'a').write('ran\\n')\n")
+    main = type(sys)("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+    def new_queue(get_queue) -> None:
+        monkeypatch.setattr(filesystem_async, "_results_queue", None)
+        queue = get_queue()
+        queue.put("written")
+        assert queue.get() == "written"
+
+    plain = getattr(filesystem_async.get_write_results_queue, "__wrapped__", None)
+    plain = plain if table.is_applied(entry) else filesystem_async.get_write_results_queue
+    new_queue(entry.replace(filesystem_async, plain))
+    assert not marker.exists()
+    new_queue(plain)
+    assert marker.read_text() == "ran\n"
+    assert sys.modules["__main__"] is main  # put back

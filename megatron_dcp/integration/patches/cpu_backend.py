@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
+import types
 from typing import Any, Callable, Tuple
 
 import torch
@@ -209,6 +211,23 @@ def _reference_attention_in_mtp(owner: Any, original: Callable) -> Callable:
     return mtp_block_spec
 
 
+def _spawn_without_entry_module(owner: Any, original: Callable) -> Callable:
+    """``original`` with ``__main__`` hidden while it runs: a process it spawns does not re-run
+    the training entry point's module (multiprocessing's spawn re-imports ``__main__`` in the
+    child, by name or path; a bare module carries neither)."""
+
+    @functools.wraps(original)
+    def without_entry_module(*args: Any, **kwargs: Any) -> Any:
+        entry = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sys.modules["__main__"] = entry
+
+    return without_entry_module
+
+
 def _training(name: str, targets: Tuple[str, ...], corrects: str, replace: Callable) -> Patch:
     return Patch(name, "cpu_training", targets, corrects, replace, NO_CUDA)
 
@@ -266,6 +285,14 @@ CPU_TRAINING_PATCHES: Tuple[Patch, ...] = (
         "megatron's jit_fuser (torch.compile) builds C++ kernels with inductor in every rank at "
         "the first step (tens of seconds on two cores for a tiny model): eager mode instead.",
         _stand_in(True),
+    ),
+    _training(
+        "checkpoint_queue_without_entry_reimport",
+        ("megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue",),
+        "The first checkpoint save starts a multiprocessing manager (spawn) for its write "
+        "results, whose server process re-imports the entry module, megatron and all: seconds "
+        "of CPU per rank, every rank at once. The server needs none of it.",
+        _spawn_without_entry_module,
     ),
     _training(
         "reference_attention_in_mtp",
