@@ -99,6 +99,25 @@ def test_disable_restores_torch_cuda():
         enable_cpu_backend()
 
 
+def test_grad_clipping_scales_by_max_norm_over_the_total_norm():
+    """cpu_grad_clipping, megatron's rule: gradients times max_norm / (total_norm + 1e-6) when
+    the total norm exceeds max_norm, unchanged otherwise."""
+    from megatron_dcp.integration.cpu.parallel import clip_grad_by_total_norm_cpu
+    from megatron_dcp.integration.patches import entries
+
+    grads = [torch.tensor([3.0, 0.0, 4.0]), torch.tensor([1.0, 2.0, 2.0])]
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    clip_grad_by_total_norm_cpu(params, max_norm=20.0, total_norm=10.0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    clip_grad_by_total_norm_cpu(params, max_norm=1.0, total_norm=10.0)
+    for param, grad in zip(params, grads):
+        torch.testing.assert_close(param.grad, grad / (10.0 + 1e-6))
+    (entry,) = [e for e in entries("cpu_training") if e.name == "cpu_grad_clipping"]
+    assert entry.replace(None, None) is clip_grad_by_total_norm_cpu
+
+
 def _seeded_tracker(rank, world_size):
     """megatron's rng tracker seeds, forks and restores (through the CPU generator)."""
     from megatron.core import tensor_parallel

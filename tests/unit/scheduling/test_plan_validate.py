@@ -97,8 +97,22 @@ def test_validate_catches_an_idle_group():
     assert_broken(plan, "idle")
 
 
-def test_validate_catches_vpp_misalignment():
-    assert_broken(replace(VALID, microbatch_group_size_per_vp_stage=3), "not a multiple")
+@pytest.mark.parametrize("k", [3, 4])  # 4: a group size the count of 2 divides, not the reverse
+def test_validate_catches_vpp_misalignment(k):
+    assert_broken(replace(VALID, microbatch_group_size_per_vp_stage=k), "not a multiple")
+
+
+def test_a_vpp_group_size_dividing_the_micro_batch_count_passes():
+    plan = Plan((1, 2, 3, 4), DOMAIN, tuple(mb(((0, 1, 2, 3), (i,))) for i in range(4)), 2)
+    assert plan.validate() is plan
+    assert check_plan(plan, plan.seqlens, DOMAIN, 2) == []
+
+
+def test_groups_filled_exactly_to_their_budget_pass():
+    """The budget is inclusive: 10 tokens on one rank, 40 on four (budget 10)."""
+    plan = replace(VALID, seqlens=(5, 6, 10, 8, 40))
+    assert plan.validate() is plan
+    assert check_plan(plan, plan.seqlens, DOMAIN, None) == []
 
 
 # ------------------------------------------------------------------------------------------------
