@@ -65,7 +65,7 @@ def layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
 def model_config_from_args(args: Any) -> Any:
     """megatron's GPT model config of ``args`` with this entry point's layer spec (a ``--spec``
     of the user's stays); a setting the local spec cannot build is a ValueError here, at
-    start-up (``integration.cpu.gpt_layer_spec``)."""
+    start-up (``integration.cpu.spec_refusals``)."""
     model_config = gpt_config_from_args(args)
     if getattr(args, "spec", None) is not None:
         return model_config
