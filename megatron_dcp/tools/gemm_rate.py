@@ -95,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     for flag, value in (("--tokens", args.tokens), ("--hidden", args.hidden), ("--ffn", args.ffn)):
         if value < 1:
-            raise SystemExit(f"gemm_rate: {flag}={value}: must be ≥ 1 (e.g. {flag} 128)")
+            p.error(f"{flag}={value}: must be ≥ 1 (e.g. {flag} 128)")
     result = measure(args.tokens, args.hidden, args.ffn)
     for name, gemm in result["gemms"].items():
         print(f"{name:<8} {'×'.join(map(str, gemm['shape'])):<16} {gemm['gflops_per_s']:8.1f} GFLOP/s")
