@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from megatron_dcp.tools.link_sweep.runs import read_machine, read_sweep
-from megatron_dcp.tools.link_sweep.table import markdown_table
+from megatron_dcp.tools.link_sweep.sweep_table import markdown_table
 from megatron_dcp.tools.link_sweep.targets import check_targets
 
 PNG_FILE = "link_sweep.png"

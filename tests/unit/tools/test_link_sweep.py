@@ -10,7 +10,7 @@ import pytest
 from megatron_dcp.tools.bench_train.stats import Interval
 from megatron_dcp.tools.cli.main import main
 from megatron_dcp.tools.link_sweep.runs import flops_per_byte, read_run, read_sweep
-from megatron_dcp.tools.link_sweep.table import markdown_table
+from megatron_dcp.tools.link_sweep.sweep_table import markdown_table
 from megatron_dcp.tools.link_sweep.targets import H100_NVLINK, check_targets
 
 ARMS = ("static", "dcp", "megatron_dev")
@@ -101,10 +101,11 @@ def test_the_distance_to_the_limit_is_the_median_of_measured_over_bound(tmp_path
 def test_the_table_has_one_row_per_run_with_the_link_and_the_intervals(tmp_path):
     write_run(tmp_path, "documents_80mbit", link=SHAPED)
     write_run(tmp_path, "documents_unshaped")
+    write_run(tmp_path, "documents_1gbit", link={**SHAPED, "requested": "1gbit", "probed_bytes_per_s": 1.2e8})
     lines = markdown_table(read_sweep(tmp_path), 1.92e11)
-    assert len(lines) == 4 and all(line.count("|") == lines[0].count("|") for line in lines)
-    unshaped, shaped = lines[2], lines[3]  # fastest link first
-    assert "| documents | unshaped |" in unshaped
+    assert len(lines) == 5 and all(line.count("|") == lines[0].count("|") for line in lines)
+    unshaped, fast, shaped = lines[2:]  # fastest link first
+    assert "| documents | unshaped |" in unshaped and "| documents | 1gbit |" in fast
     assert "| 9.6 | 4e+04 | 1.500 [1.200, 1.800] | 1.100 [1.000, 1.200] |" in shaped
     assert "| 1.800 (1.125) | 5.0% | 9/10 | 2.20, 1.20, 1.50 |" in shaped
 
