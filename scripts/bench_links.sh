@@ -55,34 +55,44 @@ workload_flags() {  # the data flags of one workload at 2 ranks
   esac
 }
 
-# The link's rate as the ranks see it: a receiver counts the bytes a sender pushes through
-# 127.0.0.1 for 1.5 s. Writes link.json (the report reads it where bench_train.json has no link).
+# The link's rate as the ranks see it, written to link.json (the report reads it where
+# bench_train.json has no link object): bench-train --link-rate's own probe where it exists (the
+# shaped runs' method), else a receiver counting what a sender pushes through 127.0.0.1 for 1.5 s.
 PROBE='
 import json, re, socket, sys, threading, time
+def own_probe():
+    server = socket.create_server(("127.0.0.1", 0))
+    def send():
+        with socket.create_connection(server.getsockname()) as s:
+            try:
+                while True: s.sendall(bytes(65536))
+            except OSError: pass
+    threading.Thread(target=send, daemon=True).start()
+    conn, _ = server.accept()
+    received, start = 0, None
+    while True:
+        received += len(conn.recv(1 << 20))
+        now = time.perf_counter()
+        if start is None: start, received = now, 0
+        elif now - start > 1.5: break
+    conn.close()
+    return received / (now - start)
+def link_probe():
+    from megatron_dcp.tools.link.probe import probe_between_processes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    return probe_between_processes("127.0.0.1", port)
 rate, out = sys.argv[1], sys.argv[2]
 units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "bit": 1 / 8}
 m = re.fullmatch(r"([\d.]+)(gbit|mbit|kbit|bit)", rate)
-requested = float(m.group(1)) * units[m.group(2)] if m else None
-server = socket.create_server(("127.0.0.1", 0))
-def send():
-    with socket.create_connection(server.getsockname()) as s:
-        chunk = bytes(65536)
-        try:
-            while True: s.sendall(chunk)
-        except OSError: pass
-threading.Thread(target=send, daemon=True).start()
-conn, _ = server.accept()
-received, start = 0, None
-while True:
-    received += len(conn.recv(1 << 20))
-    now = time.perf_counter()
-    if start is None: start, received = now, 0
-    elif now - start > 1.5: break
-conn.close()
-probed = received / (now - start)
-json.dump({"requested": rate, "requested_bytes_per_s": requested, "probed_bytes_per_s": probed,
-           "nodes": 1, "source": "bench_links.sh probe"}, open(out, "w"))
-print(f"link {rate}: {probed / 1e6:.1f} MB/s probed")
+try:
+    probed, source = link_probe(), "megatron_dcp.tools.link.probe"
+except ImportError:
+    probed, source = own_probe(), "bench_links.sh probe"
+json.dump({"requested": rate, "requested_bytes_per_s": float(m.group(1)) * units[m.group(2)]
+           if m else None, "probed_bytes_per_s": probed, "nodes": 1, "source": source},
+          open(out, "w"))
+print(f"link {rate}: {probed / 1e6:.1f} MB/s probed ({source})")
 '
 in_namespace() {  # rate, command...: the command in a fresh network namespace, lo shaped to rate
   local rate=$1; shift
