@@ -8,8 +8,8 @@
 # at the end `megatron-dcp link-sweep bench_out/links` prints the table and the issue's targets and
 # draws bench_out/links/link_sweep.png. Root is needed (network namespaces, tc).
 #
-# About 35 minutes on this 2-core machine when idle (docs/performance.md); run it on an otherwise
-# idle machine. Extra arguments go to every bench-train run. Environment (for short runs):
+# About 30 minutes on this 2-core machine when idle (estimated from idle runs, docs/performance.md;
+# at most 40); run it on an otherwise idle machine. Extra arguments go to every bench-train run. Environment (for short runs):
 #   PY=python          interpreter (default: .venv/bin/python after scripts/setup_env.sh)
 #   WORKLOADS, RATES   subsets, e.g. WORKLOADS="documents long" RATES="unshaped 100mbit"
 #   REPEAT_RATES       rates at which the long workload runs twice more (default "300mbit 100mbit")
