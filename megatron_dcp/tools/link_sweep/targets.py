@@ -59,7 +59,8 @@ def within_prediction(runs: Sequence[SweepRun]) -> Target:
         r for r in gains
         if abs(r.speedup["dcp"].value / r.predicted["dcp"] - 1) > PREDICTION_TOLERANCE
     ]
-    detail = f"{len(gains) - len(off)}/{len(gains)} runs predicted ≥ {PREDICTED_GAIN:.2f}"
+    detail = (f"{len(gains) - len(off)} of the {len(gains)} runs predicted ≥ {PREDICTED_GAIN:.2f} "
+              "within it")
     detail += f"; off: {names(off)}" if off else ""
     return Target(
         f"within {PREDICTION_TOLERANCE:.0%} of prediction where predicted ≥ {PREDICTED_GAIN:.2f}",
