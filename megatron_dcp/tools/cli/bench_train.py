@@ -57,6 +57,10 @@ DEFAULTS: Dict[str, object] = {
 }
 # Set by the command whatever the user passes: the run is a benchmark of these arms.
 FORCED_FLAGS = ("--dynamic-context-parallel", "--log-interval", "--train-iters")
+# With --link-rate, bench-train passes the probed link bandwidth unless one of these is given.
+LINK_PRIOR_FLAGS = (
+    "--dcp-link-bandwidth", "--dcp-inter-node-link-bandwidth", "--dcp-cost-profile"
+)  # fmt: skip
 
 
 class DigestMismatch(ValueError):
@@ -122,7 +126,7 @@ def bench_train(argv: Sequence[str]) -> int:
             f"--warmup={options.warmup}: must leave batches to compare (0 ≤ warmup < --batches="
             f"{options.batches})."
         )
-    link = link_spec(options)
+    link = link_spec(options, extra)
     arms, missing = runnable(options.arms)
     try:
         result = run_bench(options, arms, extra, link)
@@ -142,9 +146,11 @@ def check_cores(nproc: int, oversubscribe: bool) -> None:
         )
 
 
-def link_spec(options: argparse.Namespace) -> Optional[LinkSpec]:
+def link_spec(options: argparse.Namespace, extra: Sequence[str]) -> Optional[LinkSpec]:
     """The shaped link ``--link-rate`` and ``--nodes`` ask for, checked (the flags and this
-    machine's support) before anything runs; None without ``--link-rate``."""
+    machine's support) before anything runs; None without ``--link-rate``. Training gets the
+    probed per-rank bandwidth as its cost model's prior unless the user's flags set the links
+    (or a measured cost profile, which training refuses beside them)."""
     from megatron_dcp.tools.link.preflight import check_link_support
     from megatron_dcp.tools.link.rate import parse_link_rate
 
@@ -162,7 +168,8 @@ def link_spec(options: argparse.Namespace) -> Optional[LinkSpec]:
         )
     rate = parse_link_rate(options.link_rate)
     check_link_support(options.link_rate, rate, nodes)
-    return LinkSpec(options.link_rate, rate, nodes, options.nproc, options.out)
+    prior = not {flag.split("=")[0] for flag in extra}.intersection(LINK_PRIOR_FLAGS)
+    return LinkSpec(options.link_rate, rate, nodes, options.nproc, options.out, prior)
 
 
 def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[str]:
