@@ -73,8 +73,9 @@ def node_launch(spec: LinkSpec, node: Optional[int]) -> NodeLaunch:
     prefix = ["unshare", "--net", "--pid", "--fork", "--kill-child", sys.executable, "-m", WRAPPER]
     prefix += ["--rate", spec.rate, "--report", str(spec.report(node)), "--nproc", str(spec.nproc)]
     prefix += ["--bandwidth-flags"] if spec.bandwidth_flags else []
-    if node is None:
-        return NodeLaunch([*prefix, "--"], {"GLOO_SOCKET_IFNAME": "lo"}, (), die_with_parent())
+    if node is None:  # the local address: the host name may not resolve inside the namespace
+        flags = ["--local-addr=127.0.0.1"]
+        return NodeLaunch([*prefix, "--"], {"GLOO_SOCKET_IFNAME": "lo"}, flags, die_with_parent())
     prefix += ["--node", str(node), "--nodes", str(spec.nodes), "--"]
     flags = [f"--local-addr={node_address(node)}", f"--rdzv-conf=is_host={int(node == 0)}"]
     return NodeLaunch(prefix, {"GLOO_SOCKET_IFNAME": NODE_DEVICE}, flags, die_with_parent())

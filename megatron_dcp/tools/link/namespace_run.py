@@ -69,7 +69,8 @@ def configure_node(node: int, bytes_per_s: float) -> None:
             break
         except OSError:
             if time.monotonic() > deadline:
-                raise SetupFailed(f"the veth end {NODE_DEVICE} did not appear in {DEVICE_WAIT_S:.0f} s")
+                waited = f"{DEVICE_WAIT_S:.0f} s"
+                raise SetupFailed(f"the veth end {NODE_DEVICE} did not appear in {waited}")
             time.sleep(0.05)
     sh("ip", "addr", "add", "127.0.0.1/16", "dev", "lo")
     sh("ip", "link", "set", "lo", "up")

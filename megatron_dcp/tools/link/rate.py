@@ -23,7 +23,10 @@ UNITS = {
     "gbps": 1e9,
     "tbps": 1e12,
 }
-FORMS = "a number and a tc unit: bit, kbit, mbit, gbit (bits/s) or bps, kbps, mbps, gbps (bytes/s), e.g. 200mbit"
+FORMS = (
+    "a number and a tc unit: bit, kbit, mbit, gbit (bits/s) or bps, kbps, mbps, gbps (bytes/s), "
+    "e.g. 200mbit"
+)
 RATE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*$")
 # tbf: a bucket of at least 256 KiB (above lo's 64 KiB MTU) or 10 ms of the rate, and packets
 # queued at most 50 ms.
