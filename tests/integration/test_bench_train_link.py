@@ -64,7 +64,8 @@ def test_a_rate_the_link_cannot_carry_is_refused_by_the_probe(tmp_path, capsys):
     flags = [*TINY, "--max-seqlen-per-dp-cp-rank", "512"]
     assert bench_train([*bench, "--out", str(tmp_path), *flags]) == 1
     error = capsys.readouterr().err
-    assert "megatron-dcp link: error: --link-rate: the probe measured" in error
+    refusal = "the shaped link refused the run before training: --link-rate: the probe measured"
+    assert refusal in error and "training exited" not in error
     assert "more than 20% off the requested 125000.0 MB/s" in error
     assert not (tmp_path / "plans.jsonl").exists()  # no training started
 

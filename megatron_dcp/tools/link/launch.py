@@ -30,7 +30,7 @@ from megatron_dcp.tools.launcher import (
     run_agents,
     run_pretrain,
 )
-from megatron_dcp.tools.link.namespace_run import NODE_DEVICE, node_address
+from megatron_dcp.tools.link.namespace_run import NODE_DEVICE, PREFIX, node_address
 from megatron_dcp.tools.link.sharing import per_rank_bandwidth
 
 WRAPPER = "megatron_dcp.tools.link.namespace_run"
@@ -109,18 +109,32 @@ def run_linked(
     for node in (None, *range(spec.nodes)):
         spec.report(node).unlink(missing_ok=True)
     log_path = spec.out / "train.log"
-    if spec.nodes == 1:
-        launch = node_launch(spec, None)
-        log = run_pretrain(flags, spec.nproc, log_path, timeout_s, entry=entry, launch=launch)
-        return log, figures(spec)
-    launches = [node_launch(spec, node) for node in range(spec.nodes)]
-    agents = Agents(node_address(0), entry, launches)
-    log = run_agents(
-        flags, spec.nodes, spec.nproc // spec.nodes, RDZV_PORT, spec.out, timeout_s, agents,
-        on_started=link_nodes,
-    )  # fmt: skip
+    try:
+        if spec.nodes == 1:
+            launch = node_launch(spec, None)
+            log = run_pretrain(flags, spec.nproc, log_path, timeout_s, entry=entry, launch=launch)
+            return log, figures(spec)
+        launches = [node_launch(spec, node) for node in range(spec.nodes)]
+        agents = Agents(node_address(0), entry, launches)
+        log = run_agents(
+            flags, spec.nodes, spec.nproc // spec.nodes, RDZV_PORT, spec.out, timeout_s, agents,
+            on_started=link_nodes,
+        )  # fmt: skip
+    except TrainingRunError as error:
+        raise link_refusal(error) from None
     log_path.write_text(log.output)
     return log, figures(spec)
+
+
+def link_refusal(error: TrainingRunError) -> TrainingRunError:
+    """A failed run as the user should read it: when the namespace wrapper refused the link
+    (its probe, or its set-up) training never started, and its own line is the whole story."""
+    text = str(error)
+    start = text.find(PREFIX)
+    if start < 0:
+        return error
+    line = text[start + len(PREFIX) :].splitlines()[0].strip()
+    return TrainingRunError(f"the shaped link refused the run before training: {line}")
 
 
 def figures(spec: LinkSpec) -> Dict[str, object]:
