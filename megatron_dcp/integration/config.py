@@ -14,13 +14,14 @@ hardware profile, ``integration.model_cost``) unless ``--dcp-cost-profile`` give
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from megatron_dcp.integration.data.datasets import add_data_args
 from megatron_dcp.integration.model_cost import (
     cost_model_of,
-    default_hardware_name,
+    hardware_of,
     model_shape_from_args,
     model_shape_of,
 )
@@ -39,7 +40,7 @@ from megatron_dcp.scheduling import SCHEDULERS, CostModel, Plan, Scheduler, buil
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import budget_multiple, is_power_of_two
 from megatron_dcp.scheduling.errors import SchedulingError
-from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES
+from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES, HardwareProfile
 from megatron_dcp.scheduling.topology import node_layout
 
 DCP_FLAG = "--dynamic-context-parallel"
@@ -49,6 +50,8 @@ BUDGET_FLAG = "--max-seqlen-per-dp-cp-rank"
 VPP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 COST_PROFILE_FLAG = "--dcp-cost-profile"
 HARDWARE_FLAG = "--dcp-hardware-profile"
+LINK_BANDWIDTH_FLAG = "--dcp-link-bandwidth"
+INTER_NODE_BANDWIDTH_FLAG = "--dcp-inter-node-link-bandwidth"
 COST_ADAPT_FLAG = "--dcp-cost-adapt"
 PREFETCH_FLAG = "--dcp-prefetch"
 ROUTING_FLAG = "--dcp-routing"
@@ -151,6 +154,23 @@ def add_cost_args(group: Any) -> None:
         "backend, h100-nvlink otherwise).",
     )
     group.add_argument(
+        LINK_BANDWIDTH_FLAG,
+        type=float,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="Bytes/s one rank sends its ring neighbour inside a node, measured: overrides the "
+        "hardware profile's link bandwidth (the cost model's K/V exchange term; a profile "
+        "without a second tier uses it across nodes too).",
+    )
+    group.add_argument(
+        INTER_NODE_BANDWIDTH_FLAG,
+        type=float,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="The same across nodes: overrides the hardware profile's inter-node link "
+        "bandwidth (what CP groups that span nodes pay, with --dcp-ranks-per-node).",
+    )
+    group.add_argument(
         RANKS_PER_NODE_FLAG,
         type=int,
         default=None,
@@ -191,6 +211,10 @@ class DCPConfig:
     # CP groups that cross a node boundary (None: by backend).
     ranks_per_node: Optional[int] = None
     hardware: Optional[str] = None
+    # Measured bytes/s of the two link tiers (``--dcp-link-bandwidth``,
+    # ``--dcp-inter-node-link-bandwidth``), overriding the hardware profile's (None: keep them).
+    link_bandwidth: Optional[float] = None
+    inter_node_link_bandwidth: Optional[float] = None
     # Prepare the next global batch in the background (``integration.prefetch``).
     prefetch: bool = False
     # How samples reach their CP groups' ranks (``runtime.routing``: ROUTING_METHODS).
@@ -202,6 +226,7 @@ class DCPConfig:
         check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
         check_scheduler(self.scheduler)
         check_cost(self.cost_model, self.cost_adapt)
+        check_link_bandwidths(self.link_bandwidth, self.inter_node_link_bandwidth)
         check_pack_padding(
             self.pack_padding, self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel
         )
@@ -247,6 +272,8 @@ class DCPConfig:
             cost_adapt=getattr(args, "dcp_cost_adapt", "on") == "on",
             ranks_per_node=ranks_per_node(getattr(args, "dcp_ranks_per_node", None)),
             hardware=getattr(args, "dcp_hardware_profile", None),
+            link_bandwidth=getattr(args, "dcp_link_bandwidth", None),
+            inter_node_link_bandwidth=getattr(args, "dcp_inter_node_link_bandwidth", None),
             prefetch=getattr(args, "dcp_prefetch", "on") == "on",
             routing=getattr(args, "dcp_routing", DEFAULT_ROUTING),
             pack_padding=pack_padding_from_args(args),
@@ -264,7 +291,8 @@ class DCPConfig:
         """The configuration for a megatron model with TransformerConfig ``config`` (static CP,
         TP, sequence parallelism and the VPP micro-batch group size are read from it). Unless
         ``cost_model`` is given, the cost model is the model's shape (with a ``vocab_size``
-        output head) on the ``hardware`` profile (default: by backend)."""
+        output head) on the ``hardware`` profile (default: by backend) with the link bandwidths
+        of the overrides ``link_bandwidth`` and ``inter_node_link_bandwidth``."""
         values = dict(
             max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank,
             cp_size=config.context_parallel_size,
@@ -273,7 +301,12 @@ class DCPConfig:
             microbatch_group_size_per_vp_stage=vpp_group_size(config),
         )
         if overrides.get("cost_model") is None:
-            overrides["cost_model"] = model_cost_model(config, vocab_size, hardware)
+            profile = link_profile(
+                hardware,
+                overrides.get("link_bandwidth"),
+                overrides.get("inter_node_link_bandwidth"),
+            )
+            overrides["cost_model"] = cost_model_of(model_shape_of(config, vocab_size), profile)
         return cls(**{**values, **overrides})
 
     def with_model(self, config: Any) -> "DCPConfig":
@@ -295,6 +328,11 @@ class DCPConfig:
     @property
     def vpp_group(self) -> Optional[int]:
         return self.microbatch_group_size_per_vp_stage
+
+    def hardware_profile(self) -> HardwareProfile:
+        """The hardware profile this run prices its links with: ``hardware`` (default: by
+        backend) with the measured link bandwidths."""
+        return link_profile(self.hardware, self.link_bandwidth, self.inter_node_link_bandwidth)
 
     def pad_multiple(self, group_size: int) -> int:
         """Every sequence of a CP group of ``group_size`` is padded to a multiple of this."""
@@ -328,8 +366,9 @@ class DCPConfig:
             )
             scheduler.cost_model = padded_cost(scheduler.cost_model, self.pack_padding)
             if domain_ranks is not None:
-                hardware = self.hardware or default_hardware_name()
-                layout = node_layout(scheduler.domain, domain_ranks, self.ranks_per_node, hardware)
+                layout = node_layout(
+                    scheduler.domain, domain_ranks, self.ranks_per_node, self.hardware_profile()
+                )
                 scheduler.cost_model = scheduler.cost_model.with_nodes(layout)
             return scheduler
         except SchedulingError as error:
@@ -338,24 +377,58 @@ class DCPConfig:
 
 def cost_model_from_args(args: argparse.Namespace) -> CostModel:
     """The cost model of a training run: the ``--dcp-cost-profile`` file when given, else the
-    trained model's shape on the ``--dcp-hardware-profile`` (default: by backend)."""
+    trained model's shape on the ``--dcp-hardware-profile`` (default: by backend) with the
+    link-bandwidth flags' measured rates."""
     path = getattr(args, "dcp_cost_profile", None)
+    links = {
+        LINK_BANDWIDTH_FLAG: getattr(args, "dcp_link_bandwidth", None),
+        INTER_NODE_BANDWIDTH_FLAG: getattr(args, "dcp_inter_node_link_bandwidth", None),
+    }
+    given = [f"{flag}={value!r}" for flag, value in links.items() if value is not None]
+    if path and given:
+        raise ValueError(
+            f"{COST_PROFILE_FLAG}={path} with {' and '.join(given)}: a cost profile holds "
+            "measured coefficients (its comm term included), the bandwidth flags change the "
+            "hardware profile's; give one or the other (calibrate under the link you train on)."
+        )
     if path:
         return load_profile(path, flag=COST_PROFILE_FLAG).cost
+    profile = link_profile(getattr(args, "dcp_hardware_profile", None), *links.values())
+    return cost_model_of(model_shape_from_args(args), profile)
+
+
+def link_profile(
+    hardware: Optional[str], link_bandwidth: Optional[float], inter_node: Optional[float]
+) -> HardwareProfile:
+    """The hardware profile called ``hardware`` (default: by backend) with the measured link
+    bandwidths (None: the profile's); errors name the flags."""
+    check_link_bandwidths(link_bandwidth, inter_node)
     try:
-        return cost_model_of(
-            model_shape_from_args(args), getattr(args, "dcp_hardware_profile", None)
+        profile = hardware_of(hardware).with_links(link_bandwidth, inter_node)
+    except SchedulingError as error:
+        raise flag_error(error) from None
+    if profile.inter_node_factors()[0] < 1:
+        raise ValueError(
+            f"{INTER_NODE_BANDWIDTH_FLAG}={profile.inter_node_link_bandwidth!r} is faster than "
+            f"the intra-node link ({LINK_BANDWIDTH_FLAG} or the {profile.name} profile: "
+            f"{profile.link_bandwidth!r} bytes/s): a ring across nodes is never faster than "
+            "inside one; give an inter-node bandwidth no larger than the intra-node one."
         )
-    except SchedulingError as error:
-        raise flag_error(error) from None
+    return profile
 
 
-def model_cost_model(config: Any, vocab_size: Optional[int], hardware: Optional[str]) -> CostModel:
-    """The cost model of a model with TransformerConfig ``config`` (errors name the flags)."""
-    try:
-        return cost_model_of(model_shape_of(config, vocab_size), hardware)
-    except SchedulingError as error:
-        raise flag_error(error) from None
+def check_link_bandwidths(link_bandwidth: Any, inter_node: Any) -> None:
+    """Each given bandwidth is a finite number of bytes/s above 0."""
+    given = ((LINK_BANDWIDTH_FLAG, link_bandwidth), (INTER_NODE_BANDWIDTH_FLAG, inter_node))
+    for flag, value in given:
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"{flag}={value!r}: must be a positive number of bytes/s that one rank sends its "
+                f"ring neighbour (e.g. {flag} 2.5e7 for a 200 Mbit/s link)."
+            )
 
 
 def check_cost(cost_model: Optional[CostModel], cost_adapt: bool) -> None:

@@ -21,6 +21,7 @@ def check_model_config(
     ``te_available`` / ``cpu_backend`` default to what this machine has (tests pass them)."""
     cpu_backend = _cpu_backend(cpu_backend)
     check_loss_and_exclusive_features(config)
+    check_layer_kinds(config)
     check_sequence_parallel(config, te_available, cpu_backend)
     check_recompute(config, cpu_backend)
     check_cuda_graphs(config)
@@ -49,6 +50,40 @@ def check_loss_and_exclusive_features(config: Any) -> None:
             "MLA's THD context-parallel path in megatron-core 0.19 ignores per-micro-batch CP "
             "groups. Use standard attention or static context parallelism."
         )
+
+
+# Layer kinds whose context parallelism megatron-core 0.19.2 runs over the static CP group (or
+# not at all): under DCP a micro-batch's own CP groups would never reach them.
+UNSWITCHED_VARIANTS = {
+    "gated_delta_net": "Gated DeltaNet layers run their head-parallel all-to-all over the static "
+    "CP group, so under DCP they would exchange heads with ranks that hold other sequences",
+    "dsa": "DeepSeek sparse attention's indexer has no per-micro-batch CP group",
+}
+UNSWITCHED_HYBRID_SYMBOLS = (
+    ("G", "gated_delta_net"),
+    ("D", "dsa"),
+)
+
+
+def check_layer_kinds(config: Any) -> None:
+    """Refuse the layer kinds DCP cannot switch per micro-batch (``config``: a TransformerConfig
+    or megatron's parsed arguments, which also carry ``--hybrid-layer-pattern``), on every
+    backend: on a GPU megatron builds them and nothing would fail, the answer would be wrong."""
+    variant = getattr(config, "experimental_attention_variant", None)
+    if variant in UNSWITCHED_VARIANTS:
+        raise ValueError(
+            f"{DCP_FLAG} with --experimental-attention-variant {variant}: in megatron-core "
+            f"0.19.2 {UNSWITCHED_VARIANTS[variant]}. Train this model with static context "
+            f"parallelism (drop {DCP_FLAG}); DCP does not support it yet."
+        )
+    pattern = getattr(config, "hybrid_layer_pattern", None) or ""
+    for symbol, kind in UNSWITCHED_HYBRID_SYMBOLS:
+        if symbol in pattern:
+            raise ValueError(
+                f"{DCP_FLAG} with --hybrid-layer-pattern {pattern!r}: its {symbol!r} layers are "
+                f"{kind}, and in megatron-core 0.19.2 {UNSWITCHED_VARIANTS[kind]}. Train it with "
+                f"static context parallelism (drop {DCP_FLAG}) or leave out the {symbol!r} layers."
+            )
 
 
 def check_sequence_parallel(config: Any, te_available: Optional[bool], cpu_backend: bool) -> None:

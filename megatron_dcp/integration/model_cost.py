@@ -18,6 +18,7 @@ from megatron_dcp.scheduling.cost_fit import coefficients, predict, rank_feature
 from megatron_dcp.scheduling.hardware import (
     DEFAULT_CPU_PROFILE,
     DEFAULT_GPU_PROFILE,
+    HardwareProfile,
     hardware_profile,
 )
 from megatron_dcp.scheduling.model_shape import ModelShape
@@ -147,11 +148,20 @@ def default_hardware_name(on_cpu: Optional[bool] = None) -> str:
     return DEFAULT_CPU_PROFILE if on_cpu else DEFAULT_GPU_PROFILE
 
 
-def cost_model_of(shape: ModelShape, hardware: Optional[str] = None) -> CostModel:
-    """Seconds per rank of training ``shape`` on the hardware profile called ``hardware``
-    (default: :func:`default_hardware_name`); SchedulingError on an unknown name."""
-    profile = hardware_profile(hardware or default_hardware_name())
-    return CostModel.from_model_shape(shape, profile)
+def hardware_of(hardware: Union[str, HardwareProfile, None] = None) -> HardwareProfile:
+    """The profile ``hardware``, or the one it names (default: :func:`default_hardware_name`);
+    SchedulingError on an unknown name."""
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    return hardware_profile(hardware or default_hardware_name())
+
+
+def cost_model_of(
+    shape: ModelShape, hardware: Union[str, HardwareProfile, None] = None
+) -> CostModel:
+    """Seconds per rank of training ``shape`` on the hardware profile ``hardware`` (a profile or
+    its name; default: :func:`default_hardware_name`); SchedulingError on an unknown name."""
+    return CostModel.from_model_shape(shape, hardware_of(hardware))
 
 
 def predicted_times(plan: Plan, cost: CostModel) -> List[float]:

@@ -9,7 +9,7 @@ ones, and online refinement corrects them while training runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 from megatron_dcp.scheduling.errors import SchedulingError
@@ -53,6 +53,20 @@ class HardwareProfile:
         bandwidth = self.inter_node_link_bandwidth or self.link_bandwidth
         latency = self.inter_node_ring_step_latency or self.ring_step_latency
         return self.link_bandwidth / bandwidth, latency / self.ring_step_latency
+
+    def with_links(
+        self,
+        link_bandwidth: Optional[float] = None,
+        inter_node_link_bandwidth: Optional[float] = None,
+    ) -> "HardwareProfile":
+        """This profile with the measured bandwidths of its two link tiers (None: keep the
+        profile's). An inter-node tier the profile leaves out follows a new intra-node one."""
+        values = {}
+        if link_bandwidth is not None:
+            values["link_bandwidth"] = link_bandwidth
+        if inter_node_link_bandwidth is not None:
+            values["inter_node_link_bandwidth"] = inter_node_link_bandwidth
+        return replace(self, **values) if values else self
 
 
 HARDWARE_PROFILES: Dict[str, HardwareProfile] = {

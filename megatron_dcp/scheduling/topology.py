@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.hardware import HardwareProfile, hardware_profile
+from megatron_dcp.scheduling.hardware import HardwareProfile
 from megatron_dcp.scheduling.plan import Plan
 
 
@@ -74,15 +74,18 @@ def intra_node_size(domain: Domain, position_nodes: Sequence[int]) -> int:
 
 
 def node_layout(
-    domain: Domain, domain_ranks: Sequence[int], ranks_per_node: Optional[int], hardware: str
+    domain: Domain,
+    domain_ranks: Sequence[int],
+    ranks_per_node: Optional[int],
+    hardware: HardwareProfile,
 ) -> Optional[NodeLayout]:
     """The layout of ``domain`` whose position ``p`` is global rank ``domain_ranks[p]``, with
-    ranks ``[k·R, (k+1)·R)`` on node ``k`` (:func:`contiguous_nodes`), priced by the hardware
-    profile called ``hardware``; None without ``ranks_per_node`` (one node, one link tier)."""
+    ranks ``[k·R, (k+1)·R)`` on node ``k`` (:func:`contiguous_nodes`), priced by ``hardware``'s
+    two link tiers; None without ``ranks_per_node`` (one node, one link tier)."""
     if ranks_per_node is None:
         return None
     nodes = contiguous_nodes(domain_ranks, ranks_per_node)
-    return NodeLayout.of_positions(domain, nodes, hardware_profile(hardware))
+    return NodeLayout.of_positions(domain, nodes, hardware)
 
 
 def contiguous_nodes(domain_ranks: Sequence[int], ranks_per_node: int) -> list:

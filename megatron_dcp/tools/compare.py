@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling import CostModel, Scheduler, build_cost_model, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE
+from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE, hardware_profile
 from megatron_dcp.scheduling.topology import NodeLayout, node_layout
 from megatron_dcp.tools.cli.args import error_message
 from megatron_dcp.tools.plan_report import Report, report, timed_schedule
@@ -44,7 +44,9 @@ class DomainSpec:
         """The domain's node layout priced with the GPU profile's two link tiers (None without
         ``ranks_per_node``)."""
         domain = self.domain()
-        return node_layout(domain, range(domain.size), self.ranks_per_node, DEFAULT_GPU_PROFILE)
+        return node_layout(
+            domain, range(domain.size), self.ranks_per_node, hardware_profile(DEFAULT_GPU_PROFILE)
+        )
 
     def priced(self, cost: CostModel) -> CostModel:
         """``cost`` over this domain's node layout (unchanged without ``ranks_per_node``)."""

@@ -63,6 +63,11 @@ def test_a_supported_config_passes():
         (dict(cuda_graph_impl="local"), True, "--cuda-graph-impl"),
         (dict(enable_cuda_graph=True), True, "--enable-cuda-graph"),
         (dict(tp_comm_overlap=True, sequence_parallel=True), True, "--tp-comm-overlap"),
+        # On a GPU these layers build and train: DCP's groups would never reach their CP.
+        (dict(experimental_attention_variant="gated_delta_net"), True, "gated_delta_net"),
+        (dict(experimental_attention_variant="dsa"), True, "--experimental-attention-variant dsa"),
+        (dict(hybrid_layer_pattern="M*G-"), True, "'G' layers are gated_delta_net"),
+        (dict(hybrid_layer_pattern="MD*-"), True, "'D' layers are dsa"),
     ],
 )
 def test_unsupported_model_settings_are_rejected(overrides, te, flag):

@@ -1,10 +1,13 @@
 """The cost model of the trained model: read from megatron's TransformerConfig and from its parsed
 arguments (the same shape either way), changed the right way by model size, TP, MoE, MTP and a
 hybrid layer pattern; what ``pretrain_gpt`` and ``DCPConfig.for_model`` plan with by default, with
-``--dcp-cost-profile`` and ``--dcp-hardware-profile``; the three flags; the ``[DCP]`` log line's
+``--dcp-cost-profile`` and ``--dcp-hardware-profile``; the measured link bandwidths
+(``--dcp-link-bandwidth``, ``--dcp-inter-node-link-bandwidth``) in the comm term and the node
+layout's factors, and their refusals; the three flags; the ``[DCP]`` log line's
 new fields as the launcher reads them; the quick-start's re-plan uses the run's cost model."""
 
 from argparse import ArgumentParser, Namespace
+from dataclasses import replace
 
 import pytest
 
@@ -270,3 +273,58 @@ def test_the_quickstart_replans_with_the_runs_cost_model(pretrain_gpt, sft, tmp_
         "default_dynamic_cp", dp_size=1, cp_size=4, max_seqlen_per_dp_cp_rank=256
     )
     assert plans["default_dynamic_cp"] != default.schedule(lengths)
+
+
+def test_the_link_bandwidth_flag_sets_the_comm_coefficient(pretrain_gpt):
+    gloo = ("--dcp-hardware-profile", "cpu-gloo")
+    base = pretrain_gpt.check_args(training_args(pretrain_gpt, SMALL, *gloo)).cost_model
+    rate = HARDWARE_PROFILES["cpu-gloo"].link_bandwidth / 10
+    flags = (*gloo, "--dcp-link-bandwidth", str(rate))
+    slow = pretrain_gpt.check_args(training_args(pretrain_gpt, SMALL, *flags)).cost_model
+    assert slow.comm == pytest.approx(10 * base.comm)
+    assert coefficients(slow)[:2] == coefficients(base)[:2]  # linear and quadratic untouched
+    given = CostModel(1.0, 0.001, name="given")
+    assert DCPConfig.for_model(
+        transformer_config(), 64, hardware="cpu-gloo", link_bandwidth=rate
+    ).cost_model == replace(cost(transformer_config(), vocab=None), comm=slow.comm)
+    assert DCPConfig.for_model(transformer_config(), 64, cost_model=given).cost_model is given
+
+
+def test_the_inter_node_flags_set_the_node_layout_factors():
+    h100 = HARDWARE_PROFILES["h100-nvlink"]
+    ranks = dict(cp_size=2, ranks_per_node=4, hardware="h100-nvlink")
+
+    def comm_factor(**links) -> float:
+        scheduler = DCPConfig(2048, **ranks, **links).build_scheduler(8, domain_ranks=range(8))
+        return scheduler.cost_model.nodes.comm_factor
+
+    assert comm_factor() == pytest.approx(9.0)
+    assert comm_factor(inter_node_link_bandwidth=25e9) == pytest.approx(18.0)
+    assert comm_factor(link_bandwidth=100e9) == pytest.approx(2.0)
+    gloo = dict(cp_size=2, ranks_per_node=4, hardware="cpu-gloo", inter_node_link_bandwidth=1e7)
+    nodes = DCPConfig(2048, **gloo).build_scheduler(8, domain_ranks=range(8)).cost_model.nodes
+    assert nodes.comm_factor == pytest.approx(HARDWARE_PROFILES["cpu-gloo"].link_bandwidth / 1e7)
+    assert h100.inter_node_factors()[0] == pytest.approx(9.0)  # the profile itself unchanged
+
+
+@pytest.mark.parametrize("flag", ["link_bandwidth", "inter_node_link_bandwidth"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "fast", True])
+def test_a_bad_link_bandwidth_names_the_flag(flag, value):
+    name = "--dcp-" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{name}={value!r}: must be a positive number"):
+        DCPConfig(2048, **{flag: value})
+
+
+def test_link_bandwidths_conflict_with_a_profile_and_an_inverted_tier(pretrain_gpt, tmp_path):
+    path = tmp_path / "profile.json"
+    save_profile(str(path), CostProfile(CostModel(2e-6, 3e-9, name="calibrated"), {}))
+    for flag in ("--dcp-link-bandwidth", "--dcp-inter-node-link-bandwidth"):
+        args = training_args(pretrain_gpt, SMALL, "--dcp-cost-profile", str(path), flag, "1e8")
+        with pytest.raises(ValueError, match=f"--dcp-cost-profile=.* with {flag}=100000000.0"):
+            pretrain_gpt.check_args(args)
+    flags = ("--dcp-hardware-profile", "cpu-gloo", "--dcp-link-bandwidth", "-5")
+    with pytest.raises(ValueError, match="--dcp-link-bandwidth=-5.0: must be a positive"):
+        pretrain_gpt.check_args(training_args(pretrain_gpt, SMALL, *flags))
+    inverted = DCPConfig(2048, ranks_per_node=4, hardware="h100-nvlink", link_bandwidth=1e9)
+    with pytest.raises(ValueError, match="--dcp-inter-node-link-bandwidth=50000000000.0 is faster"):
+        inverted.build_scheduler(8, domain_ranks=range(8))

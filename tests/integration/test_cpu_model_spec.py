@@ -87,11 +87,12 @@ def refusal(entry: str, flags: dict, capfd) -> str:
 REFUSED_GPT = [
     ({**EXPERTS, "--moe-grouped-gemm": True}, "--moe-grouped-gemm on the CPU backend"),
     ({"--multi-latent-attention": True}, "--multi-latent-attention on the CPU backend"),
+    # DCP's own refusal comes first: on a GPU these layers build, and DCP refuses them there too.
     (
         {"--experimental-attention-variant": "gated_delta_net"},
-        "--experimental-attention-variant gated_delta_net on the CPU backend",
+        "--dynamic-context-parallel with --experimental-attention-variant gated_delta_net: in",
     ),
-    ({"--experimental-attention-variant": "dsa"}, "--experimental-attention-variant dsa on"),
+    ({"--experimental-attention-variant": "dsa"}, "--dynamic-context-parallel with --experimen"),
     ({"--transformer-impl": "transformer_engine"}, "--transformer-impl transformer_engine on"),
     ({"--transformer-impl": "inference_optimized"}, "--transformer-impl inference_optimized on"),
     ({"--attention-backend": "flash"}, "--attention-backend flash on the CPU backend"),
@@ -116,8 +117,8 @@ REFUSED_GPT = [
     ({"--attention-dropout": 0.1}, "--attention-dropout 0.1: ReferenceCoreAttention"),
 ]
 REFUSED_HYBRID = [
-    ({"--hybrid-layer-pattern": "M*G-"}, "--hybrid-layer-pattern M*G-: 'G' (gated delta net)"),
-    ({"--hybrid-layer-pattern": "MD--"}, "--hybrid-layer-pattern MD--: 'D' (DeepSeek sparse"),
+    ({"--hybrid-layer-pattern": "M*G-"}, "--dynamic-context-parallel with --hybrid-layer-pat"),
+    ({"--hybrid-layer-pattern": "MD--"}, "--dynamic-context-parallel with --hybrid-layer-pat"),
     ({"--hybrid-layer-pattern": "M+--"}, "--hybrid-layer-pattern M+--: '+' (multi-latent"),
     ({"--hybrid-layer-pattern": "M*M-/M-"}, "--hybrid-layer-pattern M*M-/M-: multi-token"),
     ({"--mtp-num-layers": 1}, "--mtp-num-layers 1: multi-token prediction in a hybrid model"),

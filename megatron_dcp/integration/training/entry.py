@@ -24,7 +24,7 @@ from megatron_dcp.integration.cpu.parallel import cpu_notice
 from megatron_dcp.integration.cpu.spec_refusals import check_cpu_args
 from megatron_dcp.integration.data.chat import chat_tokenizer, check_tokenizer_type
 from megatron_dcp.integration.data.datasets import build_varlen_datasets
-from megatron_dcp.integration.model_checks import check_model_config
+from megatron_dcp.integration.model_checks import check_layer_kinds, check_model_config
 from megatron_dcp.integration.model_cost import describe_cost
 from megatron_dcp.integration.patches import apply_patches
 from megatron_dcp.integration.training.dcp_schedule import DCPSchedule, install_dcp_schedule
@@ -59,12 +59,12 @@ def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentP
     CPU defaults when CUDA is absent, and a parser that reads ``argv`` (default: the command
     line) and answers a typo with the DCP flags' usage, not megatron's whole usage (a usage the
     caller set on the parser wins); on CPU, the flags megatron's own validation cannot reach
-    there are refused first (``cpu.spec_refusals.check_cpu_args``)."""
+    there are refused first (``parse_time_checks``)."""
 
     def provide(parser: argparse.ArgumentParser) -> EntryParser:
         add_dcp_args(parser)
         parser.set_defaults(calculate_per_token_loss=True, **(CPU_DEFAULTS if on_cpu() else {}))
-        check = check_cpu_args if on_cpu() else None
+        check = parse_time_checks(on_cpu())
         if parser.usage:
             return EntryParser(parser, argv, check=check)
         return EntryParser(
@@ -72,6 +72,20 @@ def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentP
         )
 
     return provide
+
+
+def parse_time_checks(cpu: bool) -> Callable[[argparse.Namespace], None]:
+    """The refusals that need only the flags, before megatron validates them: the layer kinds
+    DCP cannot switch (every backend, first: on CPU the spec's own refusal would send the user
+    to a GPU where DCP refuses them too), then on CPU ``cpu.spec_refusals.check_cpu_args``."""
+
+    def check(args: argparse.Namespace) -> None:
+        if getattr(args, "dynamic_context_parallel", False):
+            check_layer_kinds(args)
+        if cpu:
+            check_cpu_args(args)
+
+    return check
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

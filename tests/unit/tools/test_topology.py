@@ -150,10 +150,10 @@ def test_ranks_per_node_from_the_flag_or_the_launcher():
 
 def test_the_training_layout_follows_global_ranks():
     domain = Domain(8, 1, 1024)
-    layout = node_layout(domain, list(range(0, 16, 2)), 4, "h100-nvlink")
+    layout = node_layout(domain, list(range(0, 16, 2)), 4, H100)
     assert layout.node_size == 2 and layout.comm_factor == pytest.approx(9.0)
-    assert node_layout(domain, list(range(8)), None, "h100-nvlink") is None
-    assert node_layout(domain, list(range(8)), 4, "cpu-gloo").comm_factor == 1.0
+    assert node_layout(domain, list(range(8)), None, H100) is None
+    assert node_layout(domain, list(range(8)), 4, hardware_profile("cpu-gloo")).comm_factor == 1.0
 
 
 def test_the_training_scheduler_prices_its_domain_over_the_nodes():
