@@ -15,8 +15,6 @@
 #   REPEAT_RATES       rates at which the long workload runs twice more (default "300mbit 100mbit")
 #   NODES_RATE         rate of the two-node run ("" skips it; default 100mbit)
 #   BATCHES, WARMUP    global batches per arm, warm-up included (default 8, 2)
-#   LINK_MODE          flag (bench-train --link-rate) or unshare (shaped here by hand; no two-node
-#                      run); default: flag when megatron_dcp.tools.link exists
 #   OUT                output folder (default bench_out/links)
 set -euo pipefail -o noglob  # noglob: the distributions' `*` are not file patterns
 cd "$(dirname "$0")/.."
@@ -28,10 +26,6 @@ REPEAT_RATES=${REPEAT_RATES-300mbit 100mbit}
 NODES_RATE=${NODES_RATE-100mbit}
 BATCHES=${BATCHES:-8}
 WARMUP=${WARMUP:-2}
-if [ -z "${LINK_MODE:-}" ]; then
-  LINK_MODE=unshare
-  "$PY" -c "import megatron_dcp.tools.link" 2>/dev/null && LINK_MODE=flag
-fi
 EXTRA=("$@")
 
 # A GPT whose step is mostly attention (the cost CP sizes change); sequences up to 2,048 tokens and
@@ -55,50 +49,18 @@ workload_flags() {  # the data flags of one workload at 2 ranks
   esac
 }
 
-# The link's rate as the ranks see it, written to link.json (the report reads it where
-# bench_train.json has no link object): bench-train --link-rate's own probe where it exists (the
-# shaped runs' method), else a receiver counting what a sender pushes through 127.0.0.1 for 1.5 s.
+# The unshaped loopback's rate, probed as bench-train --link-rate probes a shaped one (the report
+# reads link.json where bench_train.json has no link object).
 PROBE='
-import json, re, socket, sys, threading, time
-def own_probe():
-    server = socket.create_server(("127.0.0.1", 0))
-    def send():
-        with socket.create_connection(server.getsockname()) as s:
-            try:
-                while True: s.sendall(bytes(65536))
-            except OSError: pass
-    threading.Thread(target=send, daemon=True).start()
-    conn, _ = server.accept()
-    received, start = 0, None
-    while True:
-        received += len(conn.recv(1 << 20))
-        now = time.perf_counter()
-        if start is None: start, received = now, 0
-        elif now - start > 1.5: break
-    conn.close()
-    return received / (now - start)
-def link_probe():
-    from megatron_dcp.tools.link.probe import probe_between_processes
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    return probe_between_processes("127.0.0.1", port)
-rate, out = sys.argv[1], sys.argv[2]
-units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "bit": 1 / 8}
-m = re.fullmatch(r"([\d.]+)(gbit|mbit|kbit|bit)", rate)
-try:
-    probed, source = link_probe(), "megatron_dcp.tools.link.probe"
-except ImportError:
-    probed, source = own_probe(), "bench_links.sh probe"
-json.dump({"requested": rate, "requested_bytes_per_s": float(m.group(1)) * units[m.group(2)]
-           if m else None, "probed_bytes_per_s": probed, "nodes": 1, "source": source},
-          open(out, "w"))
-print(f"link {rate}: {probed / 1e6:.1f} MB/s probed ({source})")
+import json, socket, sys
+from megatron_dcp.tools.link.probe import probe_between_processes
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+probed = probe_between_processes("127.0.0.1", port)
+json.dump({"requested": "unshaped", "probed_bytes_per_s": probed, "nodes": 1}, open(sys.argv[1], "w"))
+print(f"unshaped loopback: {probed / 1e6:.1f} MB/s probed")
 '
-in_namespace() {  # rate, command...: the command in a fresh network namespace, lo shaped to rate
-  local rate=$1; shift
-  unshare -n -- bash -c 'ip link set lo up && tc qdisc add dev lo root tbf rate "$0" burst 256kb \
-    latency 50ms && GLOO_SOCKET_IFNAME=lo exec "$@"' "$rate" "$@"
-}
 
 run() {  # workload, rate, tag ("" or r2, 2nodes, ...), ranks, extra bench-train flags...
   local workload=$1 rate=$2 tag=$3 nproc=$4 name; shift 4
@@ -110,13 +72,10 @@ run() {  # workload, rate, tag ("" or r2, 2nodes, ...), ranks, extra bench-train
   mkdir -p "$dir"
   rm -f "$dir/link.json" "$dir/bench_train.json"
   if [ "$rate" = unshaped ]; then
-    "$PY" -c "$PROBE" unshaped "$dir/link.json"
+    "$PY" -c "$PROBE" "$dir/link.json"
     "${bench[@]}" > "$dir.txt" 2>&1 || status=$?
-  elif [ "$LINK_MODE" = flag ]; then
-    "${bench[@]}" --link-rate "$rate" > "$dir.txt" 2>&1 || status=$?
   else
-    in_namespace "$rate" "$PY" -c "$PROBE" "$rate" "$dir/link.json"
-    in_namespace "$rate" "${bench[@]}" > "$dir.txt" 2>&1 || status=$?
+    "${bench[@]}" --link-rate "$rate" > "$dir.txt" 2>&1 || status=$?
   fi
   tail -n 12 "$dir.txt"
   [ "$status" = 0 ] || echo "bench_links.sh: $name FAILED (exit $status; see $dir.txt)"
@@ -138,9 +97,7 @@ case " $WORKLOADS " in *" long "*)
     for tag in r2 r3; do run long "$rate" "$tag" 2; done
   done ;;
 esac
-if [ -n "$NODES_RATE" ] && [ "$LINK_MODE" = flag ]; then
+if [ -n "$NODES_RATE" ]; then  # budget 512: the longest sequences need CP 4
   run long "$NODES_RATE" 2nodes 4 --oversubscribe --nodes 2 --max-seqlen-per-dp-cp-rank 512
-elif [ -n "$NODES_RATE" ]; then
-  echo "bench_links.sh: two-node run left out (LINK_MODE=unshare: bench-train has no --nodes)"
 fi
 "$PY" -m megatron_dcp.tools link-sweep "$OUT" | tee "$OUT/report.md"

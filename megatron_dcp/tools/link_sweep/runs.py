@@ -4,8 +4,8 @@
 A run's folder is named ``<workload>_<rate>[_<tag>]`` (``scripts/bench_links.sh``: the rate is
 ``unshaped`` or a tc rate such as ``300mbit``; the tag names a repeat or ``2nodes``). The link is
 ``bench_train.json``'s ``link`` object (``bench-train --link-rate``), else a ``link.json`` beside
-it (a run shaped by hand), else none: an unshaped run, whose rate is the sweep's own probe of the
-loopback (``machine.json``'s ``loopback_bytes_per_s``), when it has one.
+it (the sweep's probe of an unshaped loopback), else none: an unshaped run, whose rate is
+``machine.json``'s ``loopback_bytes_per_s`` when it has one (unknown otherwise).
 
 The model's predicted speedup is Σ ``critical_path_s`` of static / Σ of the arm over the compared
 batches: the critical path is what the planner minimises and what the run's order score compares;
