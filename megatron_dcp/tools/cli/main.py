@@ -5,7 +5,7 @@ SFT corpus, time real training steps of several planners side by side (``bench-t
 input).
 
 One module of this package per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``,
-``sft_corpus``, ``bench_train``), each with its ``add_*`` parser function; ``args`` holds what
+``sft_corpus``, ``bench_train``, ``replay_refinement``), each with its ``add_*`` parser function; ``args`` holds what
 they share (argument types, the wording of scheduling errors); this module assembles the parser.
 """
 
@@ -20,6 +20,7 @@ from megatron_dcp.tools.cli.bench_train import add_bench_train
 from megatron_dcp.tools.cli.benchmark import add_benchmark
 from megatron_dcp.tools.cli.calibrate import add_calibrate
 from megatron_dcp.tools.cli.fuzz import add_fuzz
+from megatron_dcp.tools.cli.replay_refinement import add_replay_refinement
 from megatron_dcp.tools.cli.sft_corpus import add_sft_corpus
 from megatron_dcp.tools.cli.simulate import add_simulate
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate(sub)
     add_sft_corpus(sub)
     add_bench_train(sub)
+    add_replay_refinement(sub)
     return parser
 
 
