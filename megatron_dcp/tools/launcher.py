@@ -4,7 +4,9 @@ Used by the quick-start and the functional tests: each run is a real multi-proce
 the per-iteration ``lm loss``, the ``[DCP]`` figures and megatron's parameter count are parsed
 from its output.
 :func:`start_agents` launches one torchrun agent per node meeting at a c10d rendezvous (the
-multi-node launch of docs/scaling.md, here with every node on this machine).
+multi-node launch of docs/scaling.md, here with every node on this machine). A
+:class:`NodeLaunch` runs a node's torchrun under a command prefix (bench-train's ``--link-rate``:
+inside a network namespace, ``tools.link``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.eE+-]+)")
 DCP_LINE = re.compile(
@@ -120,6 +122,18 @@ def failure_message(what: str, text: str, log_path: Optional[Path] = None) -> st
     return f"{what}: {cause}\n(the last error line of {log_path}, which holds the run's output)"
 
 
+@dataclass(frozen=True)
+class NodeLaunch:
+    """How one node's torchrun is started: after a command ``prefix`` (which runs the rest of
+    the line), with ``env`` added to :func:`worker_env`, ``torchrun_flags`` added to torchrun's,
+    and ``preexec_fn`` run in the child before it executes."""
+
+    prefix: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    torchrun_flags: Sequence[str] = ()
+    preexec_fn: Optional[Callable[[], None]] = None
+
+
 def run_pretrain(
     args: Sequence[str],
     nproc: int,
@@ -127,19 +141,23 @@ def run_pretrain(
     timeout_s: float = 900.0,
     port: Optional[int] = None,
     entry: str = "pretrain_gpt",
+    launch: NodeLaunch = NodeLaunch(),
 ) -> RunLog:
-    """Run ``torchrun --standalone --nproc-per-node nproc -m megatron_dcp.<entry> args``."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    """Run ``torchrun --standalone --nproc-per-node nproc -m megatron_dcp.<entry> args``
+    (under ``launch``)."""
+    command = [*launch.prefix, sys.executable, "-m", "torch.distributed.run"]
+    command += [f"--nproc-per-node={nproc}", *launch.torchrun_flags]
     command += ["--standalone"] if port is None else ["--master-port", str(port)]
     command += ["-m", f"megatron_dcp.{entry}", *args]
     done = subprocess.run(
         command,
-        env=worker_env(),
+        env={**worker_env(), **launch.env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=timeout_s,
         check=False,
+        preexec_fn=launch.preexec_fn,
     )
     if log_path is not None:
         log_path.write_text(done.stdout)
@@ -173,11 +191,19 @@ def worker_env() -> Dict[str, str]:
 
 
 def agent_command(
-    args: Sequence[str], nnodes: int, nproc_per_node: int, endpoint: str, run_id: str
+    args: Sequence[str],
+    nnodes: int,
+    nproc_per_node: int,
+    endpoint: str,
+    run_id: str,
+    entry: str = "pretrain_gpt",
+    launch: NodeLaunch = NodeLaunch(),
 ) -> List[str]:
     """The torchrun line of one node's agent: ``nnodes`` agents of ``nproc_per_node`` ranks
-    meet at the c10d rendezvous ``endpoint`` (host:port) under ``run_id``."""
+    meet at the c10d rendezvous ``endpoint`` (host:port) under ``run_id``; ``launch``'s
+    prefix and torchrun flags added."""
     return [
+        *launch.prefix,
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -186,32 +212,56 @@ def agent_command(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
+        *launch.torchrun_flags,
         "-m",
-        "megatron_dcp.pretrain_gpt",
+        f"megatron_dcp.{entry}",
         *args,
     ]
 
 
+@dataclass(frozen=True)
+class Agents:
+    """Where and how :func:`start_agents` starts a job's agents: the rendezvous ``host``, the
+    module ``megatron_dcp.<entry>`` they train with, and one :class:`NodeLaunch` per node
+    (none: every node plain)."""
+
+    host: str = "127.0.0.1"
+    entry: str = "pretrain_gpt"
+    launches: Sequence[NodeLaunch] = ()
+
+    def launch(self, node: int) -> NodeLaunch:
+        return self.launches[node] if self.launches else NodeLaunch()
+
+
 def start_agents(
-    args: Sequence[str], nnodes: int, nproc_per_node: int, port: int, log_dir: Path
+    args: Sequence[str],
+    nnodes: int,
+    nproc_per_node: int,
+    port: int,
+    log_dir: Path,
+    agents: Agents = Agents(),
 ) -> List[subprocess.Popen]:
-    """Start ``nnodes`` agents on this machine (loopback rendezvous on ``port``), each writing
-    ``agent<i>.log`` in ``log_dir``; each in a session of its own."""
-    endpoint, agents = f"127.0.0.1:{port}", []
+    """Start ``nnodes`` agents on this machine (rendezvous at ``agents.host:port``, loopback
+    by default), each writing ``agent<i>.log`` in ``log_dir``; each in a session of its own."""
+    endpoint, started = f"{agents.host}:{port}", []
     for node in range(nnodes):
+        launch = agents.launch(node)
         log = open(log_dir / f"agent{node}.log", "w")
-        command = agent_command(args, nnodes, nproc_per_node, endpoint, f"dcp-{port}")
-        agents.append(
+        command = agent_command(
+            args, nnodes, nproc_per_node, endpoint, f"dcp-{port}", agents.entry, launch
+        )
+        started.append(
             subprocess.Popen(
                 command,
-                env=worker_env(),
+                env={**worker_env(), **launch.env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=launch.preexec_fn,
             )
         )
         log.close()
-    return agents
+    return started
 
 
 def run_agents(
@@ -221,14 +271,19 @@ def run_agents(
     port: int,
     log_dir: Path,
     timeout_s: float = 900.0,
+    agents: Agents = Agents(),
+    on_started: Optional[Callable[[List[subprocess.Popen]], None]] = None,
 ) -> RunLog:
-    """Run a job as ``nnodes`` agents (:func:`start_agents`) and parse what all of them logged
-    (megatron prints the loss on the last rank, wherever the rendezvous placed it)."""
-    agents = start_agents(args, nnodes, nproc_per_node, port, log_dir)
+    """Run a job as ``nnodes`` agents (:func:`start_agents`; ``on_started`` then gets their
+    processes) and parse what all of them logged (megatron prints the loss on the last rank,
+    wherever the rendezvous placed it)."""
+    started = start_agents(args, nnodes, nproc_per_node, port, log_dir, agents)
     try:
-        codes = [agent.wait(timeout=timeout_s) for agent in agents]
+        if on_started is not None:
+            on_started(started)
+        codes = [agent.wait(timeout=timeout_s) for agent in started]
     finally:
-        for agent in agents:
+        for agent in started:
             if agent.poll() is None:
                 kill_tree(agent.pid)
     logs = [log_dir / f"agent{i}.log" for i in range(nnodes)]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 from megatron_dcp.tools.bench_train.results import BenchResult
 from megatron_dcp.tools.bench_train.stats import CLEAR_GAP, LEVEL
+from megatron_dcp.tools.link.rate import megabytes
 
 JSON_FILE = "bench_train.json"
 PNG_FILE = "bench_train.png"
@@ -21,6 +22,23 @@ def describe_run(result: BenchResult) -> str:
     return (
         f"{result.nproc} ranks ({cores}); {compared} global batches compared per arm, "
         f"{result.warmup} warm-up left out; intervals {LEVEL:.0%} (bootstrap over batches)"
+        + describe_link(result.link)
+    )
+
+
+def describe_link(link: Optional[Dict[str, object]]) -> str:
+    """``; link 200mbit requested (25.0 MB/s), probed 25.1 MB/s`` and, on two nodes, where."""
+    if link is None:
+        return ""
+    where = "shaped loopback, one node"
+    if link["nodes"] > 1:
+        where = (
+            f"veth between {link['nodes']} nodes; inside a node "
+            f"{megabytes(link['loopback_bytes_per_s'])}"
+        )
+    return (
+        f"; link {link['requested']} requested ({megabytes(link['requested_bytes_per_s'])}), "
+        f"probed {megabytes(link['probed_bytes_per_s'])} ({where})"
     )
 
 

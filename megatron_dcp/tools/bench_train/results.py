@@ -74,6 +74,7 @@ class BenchResult:
     oversubscribed: bool
     warmup: int
     unavailable: Dict[str, str] = field(default_factory=dict)
+    link: Optional[Dict[str, object]] = None  # --link-rate: request and probed figures
 
 
 def read_plans(out: Path) -> Dict[int, Dict[str, Dict[str, object]]]:

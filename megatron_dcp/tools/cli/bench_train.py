@@ -3,13 +3,16 @@ global batches, one rank per core.
 
     megatron-dcp bench-train [--nproc 2] [--arms static,dcp,megatron_dev] [--batches 14] \\
         [--warmup 2] [--out bench_train_out] [--entry pretrain_gpt] [--oversubscribe] \\
+        [--link-rate 200mbit [--nodes 2]] \\
         [megatron and DCP flags, e.g. --varlen-distribution ... --max-seqlen-per-dp-cp-rank ...]
 
 One training run (:mod:`.worker`) runs every global batch once per arm, the arms taking turns
 in a rotating order, so that both arms of a comparison run the same samples on the same warm
 process within seconds of each other. Flags not given take :data:`DEFAULTS` (a 4-layer,
 hidden-256 GPT, 32 sequences per global batch, DP 1 × CP ``--nproc``). The first ``--warmup``
-batches are left out; what is left is compared batch by batch (``stats``).
+batches are left out; what is left is compared batch by batch (``stats``). ``--link-rate``
+runs it all inside a fresh network namespace whose loopback is shaped to the rate, ``--nodes 2``
+on two namespaces joined by a shaped veth (``tools.link``, root only).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.arms import DEFAULT_ARMS, arm_at, parse_arms, runnable
 from megatron_dcp.tools.bench_train.results import BenchResult, collect
@@ -32,6 +35,7 @@ from megatron_dcp.tools.bench_train.worker import (
 )
 from megatron_dcp.tools.cli.args import add_pass_through, positive_int
 from megatron_dcp.tools.launcher import TrainingRunError, available_cores, check_rank_per_core
+from megatron_dcp.tools.link.launch import LinkSpec
 
 PROG = "megatron-dcp bench-train"
 WORKER_ENTRY = "tools.bench_train.worker"  # run as ``python -m megatron_dcp.<entry>``
@@ -59,6 +63,10 @@ DEFAULTS: Dict[str, object] = {
 }
 # Set by the command whatever the user passes: the run is a benchmark of these arms.
 FORCED_FLAGS = ("--dynamic-context-parallel", "--log-interval", "--train-iters")
+# With --link-rate, bench-train passes the probed link bandwidth unless one of these is given.
+LINK_PRIOR_FLAGS = (
+    "--dcp-link-bandwidth", "--dcp-inter-node-link-bandwidth", "--dcp-cost-profile"
+)  # fmt: skip
 
 
 class DigestMismatch(ValueError):
@@ -92,6 +100,18 @@ def bench_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow more ranks than cores (the figures then time the OS scheduler too)",
     )
+    p.add_argument(
+        "--link-rate",
+        help="run inside a fresh network namespace whose links are shaped to this rate, in "
+        "tc's units (200mbit = 25 MB/s; 25mbps is bytes/s); root only",
+    )
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=1,
+        help="with --link-rate: 2 splits the ranks over two namespaces joined by a veth, only "
+        "the veth shaped",
+    )
     return p
 
 
@@ -112,9 +132,10 @@ def bench_train(argv: Sequence[str]) -> int:
             f"--warmup={options.warmup}: must leave batches to compare (0 ≤ warmup < --batches="
             f"{options.batches})."
         )
+    link = link_spec(options, extra)
     arms, missing = runnable(options.arms)
     try:
-        result = run_bench(options, arms, extra)
+        result = run_bench(options, arms, extra, link)
     except TrainingRunError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
@@ -129,6 +150,32 @@ def check_cores(nproc: int, oversubscribe: bool) -> None:
         check_rank_per_core(
             nproc, "Use --nproc ≤ {cores}, or add --oversubscribe (the report then says so)."
         )
+
+
+def link_spec(options: argparse.Namespace, extra: Sequence[str]) -> Optional[LinkSpec]:
+    """The shaped link ``--link-rate`` and ``--nodes`` ask for, checked (the flags and this
+    machine's support) before anything runs; None without ``--link-rate``. Training gets the
+    probed per-rank bandwidth as its cost model's prior unless the user's flags set the links
+    (or a measured cost profile, which training refuses beside them)."""
+    from megatron_dcp.tools.link.preflight import check_link_support
+    from megatron_dcp.tools.link.rate import parse_link_rate
+
+    nodes = options.nodes
+    if options.link_rate is None:
+        if nodes != 1:
+            raise ValueError(f"--nodes={nodes} needs --link-rate (the link between the nodes).")
+        return None
+    if nodes not in (1, 2):
+        raise ValueError(f"--nodes={nodes}: 1 or 2 nodes can be emulated; use --nodes 2.")
+    if options.nproc % nodes:
+        raise ValueError(
+            f"--nodes={nodes} splits the ranks evenly: --nproc={options.nproc} is odd; use an "
+            "even --nproc."
+        )
+    rate = parse_link_rate(options.link_rate)
+    check_link_support(options.link_rate, rate, nodes)
+    prior = not {flag.split("=")[0] for flag in extra}.intersection(LINK_PRIOR_FLAGS)
+    return LinkSpec(options.link_rate, rate, nodes, options.nproc, options.out, prior)
 
 
 def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[str]:
@@ -149,9 +196,16 @@ def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[st
     return [*flag_list({**defaults, **bench}), *extra]
 
 
-def run_bench(args: argparse.Namespace, arms: Sequence[str], extra: Sequence[str]) -> BenchResult:
-    """One training run of every arm; its results, checked for fairness."""
+def run_bench(
+    args: argparse.Namespace,
+    arms: Sequence[str],
+    extra: Sequence[str],
+    link: Optional[LinkSpec] = None,
+) -> BenchResult:
+    """One training run of every arm (under the shaped ``link`` if any); its results, checked
+    for fairness."""
     from megatron_dcp.tools.launcher import run_pretrain
+    from megatron_dcp.tools.link.launch import run_linked
 
     args.out.mkdir(parents=True, exist_ok=True)
     stale_files = [args.out / PLANS_FILE, args.out / TIMES_FILE, args.out / PRIOR_FILE]
@@ -160,24 +214,32 @@ def run_bench(args: argparse.Namespace, arms: Sequence[str], extra: Sequence[str
         stale.unlink(missing_ok=True)
     iterations = args.batches * len(arms)
     flags = training_flags(extra, args.nproc, iterations)
+    if link is not None and link.nodes > 1 and "--dcp-ranks-per-node" not in extra:
+        flags += ["--dcp-ranks-per-node", str(args.nproc // link.nodes)]
     spec = BenchSpec(arms, str(args.out), args.entry, os.environ.get("MEGATRON_DCP_BENCH_PERTURB"))
+    shaped = "" if link is None else f", link {link.rate} over {link.nodes} node(s)"
     print(
-        f"bench-train: {args.entry} on {args.nproc} ranks ({available_cores()} cores), arms "
-        f"{', '.join(arms)}, {args.batches} global batches ({iterations} iterations) ...",
+        f"bench-train: {args.entry} on {args.nproc} ranks ({available_cores()} cores){shaped}, "
+        f"arms {', '.join(arms)}, {args.batches} global batches ({iterations} iterations) ...",
         flush=True,
     )
-    start = time.perf_counter()
+    start, figures = time.perf_counter(), None
     os.environ[SPEC_VARIABLE] = spec.to_env()
     try:
-        log = run_pretrain(
-            flags, args.nproc, args.out / "train.log", timeout_s=3600.0, entry=WORKER_ENTRY
-        )
+        if link is None:
+            log = run_pretrain(
+                flags, args.nproc, args.out / "train.log", timeout_s=3600.0, entry=WORKER_ENTRY
+            )
+        else:
+            log, figures = run_linked(flags, link, WORKER_ENTRY, timeout_s=3600.0)
     finally:
         del os.environ[SPEC_VARIABLE]
     print(f"bench-train: done in {time.perf_counter() - start:.0f} s", flush=True)
     check_digests(args.out, arms, args.batches)
     oversubscribed = args.nproc > available_cores()
-    return collect(log, args.out, arms, args.warmup, flags, args.nproc, oversubscribed)
+    result = collect(log, args.out, arms, args.warmup, flags, args.nproc, oversubscribed)
+    result.link = figures
+    return result
 
 
 def read_digests(path: Path) -> List[str]:
