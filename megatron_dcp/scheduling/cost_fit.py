@@ -29,13 +29,15 @@ WARM_UP_STEPS = 1
 FEATURES = ("linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch", "spill")
 MICROBATCH = FEATURES.index("microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
-# Online refinement (see OnlineRefinement and docs/cost_model.md, measured with
-# `python -m megatron_dcp.tools.refinement_bench` and by replaying recorded `bench-train` steps):
-# the steps whose points the fit keeps, and the weight that holds each factor to the scaled prior
-# (a factor twice its anchor costs as much as this many points off by 100 %). 0.0005: recorded
-# CPU steps (noise ~5 %) are predicted to a median 4-7 % and a latency-heavy world's plans come
-# within 1 % in 5-9 steps; 0.1 predicted the recorded steps to 4-6 % but held the micro-batch
-# and ring costs near the prior (plans 3 % off the true ones).
+# Online refinement (see OnlineRefinement and docs/cost_model.md "Replaying recorded runs",
+# chosen by replaying recorded `bench-train` runs with `megatron-dcp replay-refinement` and
+# checked with `python -m megatron_dcp.tools.refinement_bench`): the steps whose points the fit
+# keeps; the weight that holds the factors to the anchor's shape, times σ² (a factor twice the
+# others' level costs as much as 10 points off by σ: on contended CPU steps,
+# σ ≈ 15 %, the shape holds; on clean ones, σ ≈ 1 %, the data moves it); the bounds (× anchor);
+# Huber's threshold (None: squares); the free level; the half-life of a step's weight, in steps;
+# the residual σ the first fit assumes, and its floor. Before: prior weight 0.0005 fixed, no free
+# level, no half-life: factors at their bounds in most iterations of a contended run.
 WINDOW = 20
 PRIOR_WEIGHT = 10.0
 BOUNDS = (1e-2, 1e2)
@@ -200,14 +202,18 @@ class OnlineRefinement:
     median measured / predicted time (a prior off by a constant factor, another machine or
     model, is right at once: the *anchor*). From then on each step refits the factors to the
     points of the last ``window`` steps: bounded least squares of relative errors,
-    ``Σ (z · f − 1)² + prior_weight · Σ_j (f_j / anchor_j − 1)²`` with every factor within
+    ``Σ ρ(z · f − 1) + prior_weight · σ² · Σ_j (f_j / anchor_j − s)²`` with every factor within
     ``bounds`` times its anchor (``z`` a point's features in prior units over its measured
-    time). The prior
-    term keeps a direction the plans never (or barely) exercise at the anchor; the bounds keep
+    time; see :func:`bounded_ridge`). With ``free_scale`` the prior holds the shape of the
+    anchor, not its level (``s`` free: a uniformly slower machine costs nothing); with
+    ``noise_scaled`` its weight is scaled by ``σ²``, the variance of the previous fit's
+    residuals (:func:`residual_variance`), so noisy steps cannot trade coefficients while clean
+    ones can; with ``half_life`` a step's points weigh ``2^(−age / half_life)``. The prior term
+    keeps a direction the plans never (or barely) exercise with the others; the bounds keep
     every coefficient non-negative. A window, not a running estimate: a noisy step moves the
     fit by one point among ``window × ranks``, and a change of machine or load is forgotten
     after ``window`` steps. Deterministic: every rank feeds the same observations in the same
-    order and gets the same floats."""
+    order and gets the same floats (docs/cost_model.md has the settings' measurements)."""
 
     def __init__(
         self,

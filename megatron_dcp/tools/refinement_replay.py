@@ -118,6 +118,7 @@ CHANGES: Dict[str, Dict[str, object]] = {
     "scale-0.3": dict(prior_weight=0.3, free_scale=True),
     "scale-0.3-hl10": dict(prior_weight=0.3, free_scale=True, half_life=10.0),
     "noise-3": dict(prior_weight=3.0, free_scale=True, half_life=10.0, noise_scaled=True),
+    "noise-5": dict(prior_weight=5.0, free_scale=True, half_life=10.0, noise_scaled=True),
     "noise-30": dict(prior_weight=30.0, free_scale=True, half_life=10.0, noise_scaled=True),
 }
 VARIANTS: Dict[str, Variant] = {
