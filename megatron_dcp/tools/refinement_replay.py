@@ -119,6 +119,8 @@ CHANGES: Dict[str, Dict[str, object]] = {
     "scale-0.3-hl10": dict(prior_weight=0.3, free_scale=True, half_life=10.0),
     "noise-3": dict(prior_weight=3.0, free_scale=True, half_life=10.0, noise_scaled=True),
     "noise-5": dict(prior_weight=5.0, free_scale=True, half_life=10.0, noise_scaled=True),
+    "noise-10-hl3": dict(prior_weight=10.0, free_scale=True, half_life=3.0, noise_scaled=True),
+    "noise-10-hl5": dict(prior_weight=10.0, free_scale=True, half_life=5.0, noise_scaled=True),
     "noise-30": dict(prior_weight=30.0, free_scale=True, half_life=10.0, noise_scaled=True),
 }
 VARIANTS: Dict[str, Variant] = {
