@@ -29,18 +29,28 @@ WARM_UP_STEPS = 1
 FEATURES = ("linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch", "spill")
 MICROBATCH = FEATURES.index("microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
-# Online refinement (see OnlineRefinement and docs/cost_model.md, measured with
-# `python -m megatron_dcp.tools.refinement_bench` and by replaying recorded `bench-train` steps):
-# the steps whose points the fit keeps, and the weight that holds each factor to the scaled prior
-# (a factor twice its anchor costs as much as this many points off by 100 %). 0.0005: recorded
-# CPU steps (noise ~5 %) are predicted to a median 4-7 % and a latency-heavy world's plans come
-# within 1 % in 5-9 steps; 0.1 predicted the recorded steps to 4-6 % but held the micro-batch
-# and ring costs near the prior (plans 3 % off the true ones).
+# Online refinement (see OnlineRefinement and docs/cost_model.md "Replaying recorded runs",
+# chosen by replaying recorded `bench-train` runs with `megatron-dcp replay-refinement` and
+# checked with `python -m megatron_dcp.tools.refinement_bench`): the steps whose points the fit
+# keeps; the weight that holds the factors to the anchor's shape, times σ² (a factor twice the
+# others' level costs as much as 10 points off by σ: on contended CPU steps,
+# σ ≈ 15 %, the shape holds; on clean ones, σ ≈ 1 %, the data moves it); the bounds (× anchor);
+# Huber's threshold (None: squares); the free level; the half-life of a step's weight, in steps;
+# the residual σ the first fit assumes, and its floor. Before: prior weight 0.0005 fixed, no free
+# level, no half-life: factors at their bounds in most iterations of a contended run.
 WINDOW = 20
-PRIOR_WEIGHT = 0.0005
+PRIOR_WEIGHT = 10.0
+BOUNDS = (1e-2, 1e2)
+HUBER: Optional[float] = None
+FREE_SCALE = True
+HALF_LIFE: Optional[float] = 10.0
+NOISE_SCALED = True
+NOISE_START, NOISE_FLOOR = 0.1, 0.01
 # Coordinate-descent sweeps of the bounded least squares (a fixed count: the same floats on
 # every rank).
 SWEEPS = 200
+# Reweighting passes of the Huber loss (a fixed count: the same floats on every rank).
+HUBER_PASSES = 6
 
 Vector = List[float]
 
@@ -192,21 +202,29 @@ class OnlineRefinement:
     median measured / predicted time (a prior off by a constant factor, another machine or
     model, is right at once: the *anchor*). From then on each step refits the factors to the
     points of the last ``window`` steps: bounded least squares of relative errors,
-    ``Σ (z · f − 1)² + prior_weight · Σ_j (f_j / anchor_j − 1)²`` with every factor within
+    ``Σ ρ(z · f − 1) + prior_weight · σ² · Σ_j (f_j / anchor_j − s)²`` with every factor within
     ``bounds`` times its anchor (``z`` a point's features in prior units over its measured
-    time). The prior
-    term keeps a direction the plans never (or barely) exercise at the anchor; the bounds keep
+    time; see :func:`bounded_ridge`). With ``free_scale`` the prior holds the shape of the
+    anchor, not its level (``s`` free: a uniformly slower machine costs nothing); with
+    ``noise_scaled`` its weight is scaled by ``σ²``, the variance of the previous fit's
+    residuals (:func:`residual_variance`), so noisy steps cannot trade coefficients while clean
+    ones can; with ``half_life`` a step's points weigh ``2^(−age / half_life)``. The prior term
+    keeps a direction the plans never (or barely) exercise with the others; the bounds keep
     every coefficient non-negative. A window, not a running estimate: a noisy step moves the
     fit by one point among ``window × ranks``, and a change of machine or load is forgotten
     after ``window`` steps. Deterministic: every rank feeds the same observations in the same
-    order and gets the same floats."""
+    order and gets the same floats (docs/cost_model.md has the settings' measurements)."""
 
     def __init__(
         self,
         prior: CostModel,
         window: int = WINDOW,
-        bounds: Tuple[float, float] = (1e-2, 1e2),
+        bounds: Tuple[float, float] = BOUNDS,
         prior_weight: float = PRIOR_WEIGHT,
+        huber: Optional[float] = HUBER,
+        free_scale: bool = FREE_SCALE,
+        half_life: Optional[float] = HALF_LIFE,
+        noise_scaled: bool = NOISE_SCALED,
     ) -> None:
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive number of steps, got {window!r}")
@@ -216,7 +234,9 @@ class OnlineRefinement:
                 f"coefficients at the prior (default PRIOR_WEIGHT = {PRIOR_WEIGHT:g})"
             )
         self.prior, self.window, self.bounds = prior, window, bounds
-        self.prior_weight = prior_weight
+        self.prior_weight, self.huber, self.free_scale = prior_weight, huber, free_scale
+        self.half_life, self.noise_scaled = half_life, noise_scaled
+        self.variance = NOISE_START**2  # of the points' relative residuals (noise_scaled)
         self.scales = _scales(prior)
         self.factors = [1.0] * len(FEATURES)
         self.anchor = list(self.factors)
@@ -244,10 +264,29 @@ class OnlineRefinement:
         scales = self.scales
         step = [[x * s / t for x, s in zip(row, scales)] for row, t in zip(rows, times) if t > 0]
         self.points = [*self.points, step][-self.window :]
+        points, weights = [z for kept in self.points for z in kept], self.recency_weights()
         self.factors = bounded_ridge(
-            [z for kept in self.points for z in kept], self.anchor, self.prior_weight, self.bounds
+            points,
+            self.anchor,
+            self.prior_weight * (self.variance if self.noise_scaled else 1.0),
+            self.bounds,
+            self.huber,
+            self.free_scale,
+            weights,
         )
+        if self.noise_scaled:
+            self.variance = residual_variance(points, weights, self.factors, self.variance)
         return self.cost
+
+    def recency_weights(self) -> Optional[List[float]]:
+        """Each kept point's weight: ``2^(−age / half_life)``, ``age`` its step's steps before the
+        latest (None without a half-life: every point alike)."""
+        if not self.half_life:
+            return None
+        last = len(self.points) - 1
+        return [
+            0.5 ** ((last - k) / self.half_life) for k, kept in enumerate(self.points) for _ in kept
+        ]
 
     def _rescale(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> None:
         """First step: the anchor is every factor times the median measured / predicted time."""
@@ -260,25 +299,75 @@ class OnlineRefinement:
             self.factors = self.anchor = [f * scale for f in self.factors]
 
 
+def residual_variance(
+    points: Sequence[Vector], weights: Optional[Sequence[float]], f: Vector, previous: float
+) -> float:
+    """The variance of the relative residuals ``z · f − 1`` (weighted mean of squares, corrected
+    for the fitted factors: × n / (n − factors)), at least ``NOISE_FLOOR²``; ``previous`` while
+    the points are no more than the factors."""
+    n, width = len(points), len(f)
+    if n <= width:
+        return previous
+    w = list(weights) if weights is not None else [1.0] * n
+    mean = sum(wi * (predict(f, z) - 1.0) ** 2 for z, wi in zip(points, w)) / sum(w)
+    return max(NOISE_FLOOR**2, mean * n / (n - width))
+
+
 def bounded_ridge(
-    points: Sequence[Vector], anchor: Vector, weight: float, bounds: Tuple[float, float]
+    points: Sequence[Vector],
+    anchor: Vector,
+    weight: float,
+    bounds: Tuple[float, float],
+    huber: Optional[float] = None,
+    free_scale: bool = False,
+    point_weights: Optional[Sequence[float]] = None,
 ) -> Vector:
-    """``argmin Σ_p (z_p · f − 1)² + weight · Σ_j (f_j / anchor_j − 1)²`` over
-    ``bounds[0] ≤ f_j / anchor_j ≤ bounds[1]``: a strictly convex quadratic (the weight term),
-    solved by :data:`SWEEPS` sweeps of exact coordinate minimisation (each clipped to the bounds).
-    """
-    width = len(anchor)
-    gram = [[sum(z[i] * z[j] for z in points) for j in range(width)] for i in range(width)]
-    rhs = [sum(z[i] for z in points) for i in range(width)]
-    for j, a in enumerate(anchor):
-        gram[j][j] += weight / (a * a)
-        rhs[j] += weight / a
-    low, high = bounds
+    """``argmin Σ_p ρ(z_p · f − 1) + weight · Σ_j (f_j / anchor_j − s)²`` over
+    ``bounds[0] ≤ f_j / anchor_j ≤ bounds[1]``: ``ρ`` the square, or Huber's loss with threshold
+    ``huber`` (a point off by more counts linearly: a step slowed by another process moves the fit
+    less); ``s`` 1, or free (``free_scale``: the prior holds the *shape* of the coefficients, not
+    their level, so that a machine that runs uniformly slower or faster costs no penalty).
+    Strictly convex (the weight term); iteratively reweighted: :data:`HUBER_PASSES` passes of
+    :func:`_weighted_ridge` with Huber's weights of the previous residuals. ``point_weights``
+    (default 1) multiply each point's term (the refinement's recency weights)."""
     f = list(anchor)
+    base = list(point_weights) if point_weights is not None else [1.0] * len(points)
+    weights = base
+    for _ in range(HUBER_PASSES if huber else 1):
+        f = _weighted_ridge(points, weights, anchor, weight, bounds, free_scale, f)
+        if huber:
+            residuals = [abs(predict(f, z) - 1.0) for z in points]
+            weights = [w * (1.0 if r <= huber else huber / r) for w, r in zip(base, residuals)]
+    return f
+
+
+def _weighted_ridge(
+    points: Sequence[Vector],
+    weights: Sequence[float],
+    anchor: Vector,
+    weight: float,
+    bounds: Tuple[float, float],
+    free_scale: bool,
+    start: Vector,
+) -> Vector:
+    """One pass of :func:`bounded_ridge` with fixed point weights: :data:`SWEEPS` sweeps of exact
+    coordinate minimisation (each factor clipped to its bounds, then the free scale ``s`` set to
+    the mean of ``f_j / anchor_j``, its exact minimiser)."""
+    width = len(anchor)
+    gram = [
+        [sum(w * z[i] * z[j] for z, w in zip(points, weights)) for j in range(width)]
+        for i in range(width)
+    ]
+    rhs = [sum(w * z[i] for z, w in zip(points, weights)) for i in range(width)]
+    low, high = bounds
+    f, scale = list(start), 1.0
     for _ in range(SWEEPS):
-        for j in range(width):
+        for j, a in enumerate(anchor):
             rest = sum(gram[j][k] * f[k] for k in range(width) if k != j)
-            f[j] = min(high * anchor[j], max(low * anchor[j], (rhs[j] - rest) / gram[j][j]))
+            target = (rhs[j] - rest + weight * scale / a) / (gram[j][j] + weight / (a * a))
+            f[j] = min(high * a, max(low * a, target))
+        if free_scale:
+            scale = sum(x / a for x, a in zip(f, anchor)) / width
     return f
 
 

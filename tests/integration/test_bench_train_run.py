@@ -2,15 +2,17 @@
 real training steps; a run whose one arm reads perturbed samples is refused by the digest check
 (the fault injected through the worker's test-only ``MEGATRON_DCP_BENCH_PERTURB``). The fair
 run trained the model its flags ask for (megatron's parameter count in its log against
-``testing.model_size``)."""
+``testing.model_size``), and its refinement replayed offline predicts its ``[DCP]`` lines."""
 
 import json
 
 import pytest
 
+from megatron_dcp.scheduling.cost_fit import coefficients
 from megatron_dcp.testing.model_size import check_model_size, flags_of
 from megatron_dcp.tools.cli.bench_train import DigestMismatch, bench_train, training_flags
 from megatron_dcp.tools.launcher import parse_log
+from megatron_dcp.tools.refinement_replay import load_run, replay, run_prior
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -34,6 +36,17 @@ def test_a_fair_run_reports_every_arm_from_real_steps(tmp_path, capsys):
     assert (tmp_path / "bench_train.png").stat().st_size > 0
     flags = flags_of(training_flags(TINY, 2, len(turns)))
     check_model_size(flags, parse_log((tmp_path / "train.log").read_text()).parameters)
+    check_replay(tmp_path, result["flags"])
+
+
+def check_replay(out, flags):
+    """The offline replay predicts every step as the run's ``[DCP]`` line did (printed to
+    0.1 ms), from the run's prior.json and from the prior its flags give."""
+    run = load_run(out)
+    for step in replay(run):
+        assert step.predicted_s * 1e3 == pytest.approx(step.logged_s * 1e3, abs=0.06)
+    rebuilt = run_prior(out, flags, "cpu-gloo", recorded=False)
+    assert coefficients(rebuilt) == pytest.approx(coefficients(run.prior), rel=1e-12)
 
 
 def test_an_arm_that_reads_other_samples_is_refused(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ pretrain_mamba, megatron's own loop) with three changes that make its arms compa
 - **One arm per iteration.** The DCP wrapper's scheduler is an :class:`~.arms.ArmRotation`: each
   batch is planned by every arm under the run's cost model and run with the arm whose turn it
   is. Rank 0 writes every batch's plans (``plans.jsonl``, with each position's cost-model
-  features) and every step's busy time per position (``times.jsonl``).
+  features), every step's busy time per position (``times.jsonl``) and the cost model the run
+  starts from (``prior.json``): what ``megatron-dcp replay-refinement`` replays.
 - **Digests.** Each rank hashes the samples it reads, one digest per global batch read
   (``digests/rank<r>.txt``): the command checks that every arm of a batch saw the same samples.
 
@@ -29,6 +30,7 @@ from megatron_dcp.tools.bench_train.arms import arm_at
 SPEC_VARIABLE = "MEGATRON_DCP_BENCH"
 PLANS_FILE = "plans.jsonl"
 TIMES_FILE = "times.jsonl"
+PRIOR_FILE = "prior.json"  # the cost model iteration 1 planned with (what refinement starts from)
 DIGEST_DIR = "digests"
 
 
@@ -124,6 +126,7 @@ def bench_schedule_class(spec: BenchSpec) -> type:
     import torch.distributed as dist
 
     from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
+    from megatron_dcp.scheduling.cost_fit import CostProfile, save_profile
     from megatron_dcp.tools.bench_train.arms import ArmRotation, as_record
 
     class BenchSchedule(DCPSchedule):
@@ -139,6 +142,9 @@ def bench_schedule_class(spec: BenchSpec) -> type:
         def build(self, model: Any) -> Any:
             wrapper = super().build(model)
             base = wrapper.scheduler
+            if dist.get_rank() == 0:
+                source = {"by": "bench-train", "what": "the cost model iteration 1 planned with"}
+                save_profile(str(Path(spec.out) / PRIOR_FILE), CostProfile(base.cost_model, source))
             wrapper.scheduler = ArmRotation(
                 spec.arms,
                 record=self.record_plans,

@@ -26,7 +26,13 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.arms import DEFAULT_ARMS, arm_at, parse_arms, runnable
 from megatron_dcp.tools.bench_train.results import BenchResult, collect
-from megatron_dcp.tools.bench_train.worker import PLANS_FILE, SPEC_VARIABLE, TIMES_FILE, BenchSpec
+from megatron_dcp.tools.bench_train.worker import (
+    PLANS_FILE,
+    PRIOR_FILE,
+    SPEC_VARIABLE,
+    TIMES_FILE,
+    BenchSpec,
+)
 from megatron_dcp.tools.cli.args import add_pass_through, positive_int
 from megatron_dcp.tools.launcher import TrainingRunError, available_cores, check_rank_per_core
 from megatron_dcp.tools.link.launch import LinkSpec
@@ -202,7 +208,8 @@ def run_bench(
     from megatron_dcp.tools.link.launch import run_linked
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stale_files = [args.out / PLANS_FILE, args.out / TIMES_FILE, *args.out.glob("digests/*.txt")]
+    stale_files = [args.out / PLANS_FILE, args.out / TIMES_FILE, args.out / PRIOR_FILE]
+    stale_files += [*args.out.glob("digests/*.txt")]
     for stale in stale_files:
         stale.unlink(missing_ok=True)
     iterations = args.batches * len(arms)

@@ -24,6 +24,7 @@ from megatron_dcp.tools.calibration import (
     source,
     split_hold_out,
 )
+from megatron_dcp.tools.calibration_link import describe_link, link_source, shaped_calibration
 from megatron_dcp.tools.cli.args import add_pass_through, fraction, int_list, positive_int
 from megatron_dcp.tools.launcher import available_cores, check_rank_per_core
 
@@ -52,6 +53,13 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     for name, kind, default, text in flags:
         g.add_argument(name, type=kind, default=default, help=text)
+    g.add_argument(
+        "--link-rate",
+        default=None,
+        metavar="RATE",
+        help="calibrate inside a network namespace whose loopback tbf shapes to RATE (tc units, "
+        "e.g. 200mbit; root): the comm term at that link (docs/cost_model.md)",
+    )
     return parser
 
 
@@ -120,6 +128,8 @@ def calibrate(argv: Sequence[str]) -> int:
         return 0
     options, model_flags = parser.parse_known_args(list(argv))
     check_options(options)
+    if options.link_rate is not None:
+        return shaped_calibration(argv, options)
     args = parse_model_args(argv)
     points = grid(options, args.seq_length)
     held = split_hold_out(points, options.hold_out, args.seed)
@@ -128,10 +138,14 @@ def calibrate(argv: Sequence[str]) -> int:
     if measured is None:
         return 1
     result = fit_points(points, measured, held)
-    save_profile(
-        options.output, CostProfile(result.cost, source(result, options, args, model_flags))
-    )
+    described = source(result, options, args, model_flags)
+    link = link_source(result.cost, args, options.nproc)
+    if link is not None:
+        described["link"] = link
+    save_profile(options.output, CostProfile(result.cost, described))
     print("\n".join(report(result)))
+    if link is not None:
+        print(describe_link(link))
     from megatron_dcp.integration.config import COST_PROFILE_FLAG
 
     print(f"profile written to {options.output}; train with {COST_PROFILE_FLAG} {options.output}")

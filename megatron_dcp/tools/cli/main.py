@@ -6,7 +6,8 @@ a sweep of such runs over link rates (``link-sweep``).
 input).
 
 One module of this package per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``,
-``sft_corpus``, ``bench_train``, ``link_sweep``), each with its ``add_*`` parser function; ``args`` holds what
+``sft_corpus``, ``bench_train``, ``link_sweep``,
+``replay_refinement``), each with its ``add_*`` parser function; ``args`` holds what
 they share (argument types, the wording of scheduling errors); this module assembles the parser.
 """
 
@@ -22,6 +23,7 @@ from megatron_dcp.tools.cli.benchmark import add_benchmark
 from megatron_dcp.tools.cli.calibrate import add_calibrate
 from megatron_dcp.tools.cli.fuzz import add_fuzz
 from megatron_dcp.tools.cli.link_sweep import add_link_sweep
+from megatron_dcp.tools.cli.replay_refinement import add_replay_refinement
 from megatron_dcp.tools.cli.sft_corpus import add_sft_corpus
 from megatron_dcp.tools.cli.simulate import add_simulate
 
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sft_corpus(sub)
     add_bench_train(sub)
     add_link_sweep(sub)
+    add_replay_refinement(sub)
     return parser
 
 
