@@ -7,10 +7,14 @@ A run's folder is named ``<workload>_<rate>[_<tag>]`` (``scripts/bench_links.sh`
 it (the sweep's probe of an unshaped loopback), else none: an unshaped run, whose rate is
 ``machine.json``'s ``loopback_bytes_per_s`` when it has one (unknown otherwise).
 
-The model's predicted speedup is Σ ``critical_path_s`` of static / Σ of the arm over the compared
-batches: the critical path is what the planner minimises and what the run's order score compares;
-``predicted_s`` (the busiest position's busy time) leaves out the waits between micro-batches, which
-a step's wall time contains.
+The model's predicted speedup is Σ (``critical_path_s`` + r) of static / Σ of the arm over the
+compared batches: the critical path is what the planner minimises and what the run's order score
+compares (``predicted_s``, the busiest position's busy time, leaves out the waits between
+micro-batches, which a step's wall time contains); ``r`` is the part of a step no plan changes
+(:func:`step_remainder_s`: megatron's step time less the forward-backward, measured). The measured
+speedup is of whole steps, so without ``r`` a prediction of the forward-backward alone would
+overstate every gain by the share of the step that the gradient all-reduce (on the shaped link)
+and the optimizer take.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class SweepRun:
     clear_agree: int
     clear_total: int
     distance: Dict[str, float]  # arm -> median measured fwd-bwd / lower bound
+    remainder_s: float = 0.0  # the part of a step no plan changes (step_remainder_s)
 
 
 def first_of(record: Dict[str, object], *keys: str) -> object:
@@ -110,13 +115,27 @@ def read_plans(folder: Path, bench: Dict[str, object]) -> Dict[int, Dict[str, Di
     return plans
 
 
-def predicted_speedups(plans: Dict[int, Dict[str, Dict]], arms: List[str], warmup: int) -> Dict:
+def step_remainder_s(bench: Dict[str, object]) -> float:
+    """Seconds of a step that no plan changes: the median, over the compared steps of every arm,
+    of megatron's step time less the busiest position's forward-backward busy time (the gradient
+    all-reduce, the optimizer, the data loader); 0 when that is negative."""
+    rests = [
+        (step["step_ms"] - step["fwd_bwd_ms"]) / 1e3
+        for step in bench["steps"]
+        if step["batch"] >= bench["warmup"]
+    ]
+    return max(0.0, statistics.median(rests)) if rests else 0.0
+
+
+def predicted_speedups(
+    plans: Dict[int, Dict[str, Dict]], arms: List[str], warmup: int, remainder_s: float = 0.0
+) -> Dict:
     batches = [b for b in sorted(plans) if b >= warmup and all(a in plans[b] for a in arms)]
     if not batches:
         return {}
 
     def total(arm: str) -> float:
-        return sum(plans[b][arm]["critical_path_s"] for b in batches)
+        return sum(plans[b][arm]["critical_path_s"] + remainder_s for b in batches)
 
     return {arm: total("static") / total(arm) for arm in arms if arm != "static"}
 
@@ -137,6 +156,7 @@ def read_run(folder: Path, machine: Dict[str, object]) -> SweepRun:
     workload, _, rest = folder.name.partition("_")
     rate, _, tag = rest.partition("_")
     plans = read_plans(folder, bench)
+    remainder = step_remainder_s(bench)
     summaries = bench["summaries"]
     ordering = bench["ordering"]
     return SweepRun(
@@ -148,7 +168,8 @@ def read_run(folder: Path, machine: Dict[str, object]) -> SweepRun:
         link=read_link(folder, bench, rate or UNSHAPED, machine),
         speedup={a: interval(s["speedup"]) for a, s in summaries.items() if s["speedup"]},
         dcp_over_dev=interval(bench["dcp_over"].get(DEV)),
-        predicted=predicted_speedups(plans, list(bench["arms"]), bench["warmup"]),
+        predicted=predicted_speedups(plans, list(bench["arms"]), bench["warmup"], remainder),
+        remainder_s=remainder,
         model_error=bench["errors"].get(ERROR_WINDOW),
         clear_agree=ordering["clear_agree"],
         clear_total=ordering["clear_total"],

@@ -1,6 +1,6 @@
 """The link-rate sweep as one markdown table: per workload and link rate (one row per run),
 the link, FLOPs per byte, the measured and predicted speedups, the model's error and order, and
-each arm's distance to the limit."""
+each arm's distance to the limit, and the part of a step no plan changes (in the prediction)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ ARMS = ("static", "dcp", DEV)
 HEADER = (
     "| workload | rate | run | ranks | probed MB/s | FLOPs/byte | DCP over static [95 %] | "
     "dev over static [95 %] | DCP over dev [95 %] | predicted DCP (dev) over static | "
-    "model error 5–30 | order, gap ≥ 10 % | measured / bound: static, DCP, dev |"
+    "model error 5–30 | order, gap ≥ 10 % | measured / bound: static, DCP, dev | "
+    "step rest ms |"
 )
 
 
@@ -59,6 +60,7 @@ def row(run: SweepRun, flops_per_s: Optional[float]) -> str:
         error,
         f"{run.clear_agree}/{run.clear_total}",
         bound,
+        f"{run.remainder_s * 1e3:.0f}",
     ]
     return "| " + " | ".join(cells) + " |"
 

@@ -25,9 +25,10 @@ def interval(value, low, high):
 
 
 def bench_record(link=None, nproc=2, error=0.05, agree=(9, 10), dcp=(1.5, 1.2, 1.8),
-                 dev=(1.1, 1.0, 1.2), over_dev=(1.3, 1.1, 1.5)):
+                 dev=(1.1, 1.0, 1.2), over_dev=(1.3, 1.1, 1.5), rest_ms=None):
     steps = [
-        {"iteration": 3 * b + i + 1, "batch": b, "arm": arm, "step_ms": 1.0,
+        {"iteration": 3 * b + i + 1, "batch": b, "arm": arm,
+         "step_ms": 1.0 if rest_ms is None else FWD_BWD[arm][b] + rest_ms,
          "fwd_bwd_ms": FWD_BWD[arm][b], "predicted_ms": 1.0, "plan": {}}
         for b in range(4) for i, arm in enumerate(ARMS)
     ]
@@ -90,6 +91,15 @@ def test_the_predicted_speedup_sums_critical_paths_over_the_compared_batches_onl
     # Batch 0 is the warm-up (static 9 s against 1 s there would give 3.0 with it).
     assert run.predicted["dcp"] == pytest.approx(9.0 / 5.0)
     assert run.predicted["megatron_dev"] == pytest.approx(9.0 / 8.0)
+
+
+def test_the_part_of_a_step_no_plan_changes_enters_the_prediction(tmp_path):
+    """A measured step is the forward-backward plus a rest every arm pays alike (the gradient
+    all-reduce, the optimizer): 0.5 s per compared batch dilutes the predicted speedup."""
+    run = read_run(write_run(tmp_path, "documents_300mbit", rest_ms=500.0), {})
+    assert run.remainder_s == pytest.approx(0.5)
+    assert run.predicted["dcp"] == pytest.approx((9.0 + 1.5) / (5.0 + 1.5))
+    assert markdown_table([run], None)[2].endswith("| 500 |")
 
 
 def test_the_distance_to_the_limit_is_the_median_of_measured_over_bound(tmp_path):
