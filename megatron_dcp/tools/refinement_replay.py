@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -39,8 +38,7 @@ from megatron_dcp.scheduling.cost_fit import (
     predict,
 )
 from megatron_dcp.tools.bench_train.arms import arm_at
-from megatron_dcp.tools.bench_train.results import ERROR_WINDOWS, read_plans
-from megatron_dcp.tools.bench_train.stats import relative_errors
+from megatron_dcp.tools.bench_train.results import read_plans, window_errors
 from megatron_dcp.tools.bench_train.worker import PRIOR_FILE, TIMES_FILE
 from megatron_dcp.tools.launcher import parse_log
 
@@ -241,15 +239,9 @@ def bound_names(refinement: OnlineRefinement, bounds: Tuple[float, float]) -> Li
     ]
 
 
-def window_errors(steps: Sequence[ReplayStep]) -> Dict[str, float]:
+def replay_errors(steps: Sequence[ReplayStep]) -> Dict[str, float]:
     """Median |predicted − measured| / measured over each of ``results.ERROR_WINDOWS``."""
-    errors = {}
-    for first, last in ERROR_WINDOWS:
-        kept = [s for s in steps if first <= s.iteration <= last]
-        values = relative_errors([s.predicted_s for s in kept], [s.measured_s for s in kept])
-        if values:
-            errors[f"{first}-{last}"] = statistics.median(values)
-    return errors
+    return window_errors([(s.iteration, s.predicted_s, s.measured_s) for s in steps])
 
 
 def bound_steps(steps: Sequence[ReplayStep], first: int = 5, last: int = 30) -> int:
@@ -286,7 +278,7 @@ def summary_table(runs: Sequence[RecordedRun], variants: Sequence[Variant]) -> s
         cells = []
         for v in variants:
             steps = replay(run, v)
-            error = window_errors(steps).get("5-30", float("nan"))
+            error = replay_errors(steps).get("5-30", float("nan"))
             worst[v.name] = max(worst[v.name], error)
             cells.append(f"{error * 100:11.1f} % ({bound_steps(steps):2d})")
         lines.append(f"{run.path.name[-28:]:<28}" + "".join(f"{c:>18}" for c in cells))

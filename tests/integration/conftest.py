@@ -1,4 +1,9 @@
-"""Fixtures shared by the integration tests."""
+"""Fixtures shared by the integration tests, and the ``link_shaping`` marker: a test that shapes
+links (``--link-rate``: network namespaces and tc) is skipped, with the reason, unless this is
+root with the tools that ``--nodes`` (the marker's ``nodes``, default 1) needs on PATH."""
+
+import os
+import shutil
 
 import pytest
 
@@ -7,6 +12,7 @@ from megatron_dcp.integration.patches import (
     disable_cpu_backend,
     enable_cpu_backend,
 )
+from megatron_dcp.tools.link.preflight import required_tools
 
 
 @pytest.fixture
@@ -16,3 +22,14 @@ def cpu_backend():
     yield enable_cpu_backend()
     if not was_enabled:
         disable_cpu_backend()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    mark = item.get_closest_marker("link_shaping")
+    if mark is None:
+        return
+    if os.geteuid() != 0:
+        pytest.skip("--link-rate needs root (network namespaces)")
+    tools = required_tools(mark.kwargs.get("nodes", 1))
+    if any(shutil.which(tool) is None for tool in tools):
+        pytest.skip(f"--link-rate needs {', '.join(tools)} on PATH")

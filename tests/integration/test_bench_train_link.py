@@ -8,7 +8,6 @@ loopback's figures. Tiny model, a few batches."""
 import json
 import re
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,14 +18,7 @@ import pytest
 
 from megatron_dcp.tools.cli.bench_train import bench_train
 
-TOOLS = ("unshare", "ip", "tc", "nsenter")
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="--link-rate needs root (network namespaces)"),
-    pytest.mark.skipif(
-        any(shutil.which(tool) is None for tool in TOOLS),
-        reason=f"--link-rate needs {', '.join(TOOLS)} on PATH",
-    ),
-]
+pytestmark = pytest.mark.link_shaping(nodes=2)  # conftest.py skips it without root or tools
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--ffn-hidden-size", "128", "--seq-length", "1024", "--max-position-embeddings", "1024",

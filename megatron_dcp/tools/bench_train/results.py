@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.tools.bench_train.arms import arm_at
 from megatron_dcp.tools.bench_train.stats import (
@@ -169,10 +169,16 @@ def plan_ordering(steps: Sequence[Step], arms: Sequence[str]) -> Ordering:
 
 def model_errors(steps: Sequence[Step]) -> Dict[str, float]:
     """The ``[DCP]`` line's prediction against its measurement, median over each window."""
+    return window_errors([(s.iteration, s.predicted_ms, s.fwd_bwd_ms) for s in steps])
+
+
+def window_errors(points: Sequence[Tuple[int, float, float]]) -> Dict[str, float]:
+    """Median |predicted − measured| / measured over each of :data:`ERROR_WINDOWS` (keyed
+    ``"first-last"``), from ``(iteration, predicted, measured)`` points."""
     errors = {}
     for first, last in ERROR_WINDOWS:
-        window = [s for s in steps if first <= s.iteration <= last]
-        values = relative_errors([s.predicted_ms for s in window], [s.fwd_bwd_ms for s in window])
+        window = [(p, m) for i, p, m in points if first <= i <= last]
+        values = relative_errors([p for p, _ in window], [m for _, m in window])
         if values:
             errors[f"{first}-{last}"] = statistics.median(values)
     return errors

@@ -50,7 +50,7 @@ def run_replay(args: argparse.Namespace) -> int:
         replay,
         step_table,
         summary_table,
-        window_errors,
+        replay_errors,
     )
 
     variants = parse_variants(args.variants)
@@ -64,7 +64,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if len(runs) == 1 and len(variants) == 1:
         steps = replay(runs[0], variants[0])
         print(step_table(steps))
-        errors = ", ".join(f"{k}: {v * 100:.1f} %" for k, v in window_errors(steps).items())
+        errors = ", ".join(f"{k}: {v * 100:.1f} %" for k, v in replay_errors(steps).items())
         print(f"median |pred - meas| / meas ({variants[0].name}): {errors}")
     else:
         print(summary_table(runs, variants))

@@ -28,7 +28,7 @@ from megatron_dcp.tools.refinement_replay import (
     load_run,
     parse_variants,
     replay,
-    window_errors,
+    replay_errors,
 )
 
 PRIOR = CostModel(5.8e-5, 9.4e-8, 2.8e-5, 0.016, 1.0, "model@cpu-gloo", 0.016)
@@ -105,7 +105,7 @@ def test_under_contention_the_refinement_holds_where_the_old_one_hit_its_bounds(
     for seed in range(3):
         run = load_run(write_run(tmp_path / str(seed), contended, seed=seed))
         current, before = replay(run, VARIANTS["current"]), replay(run, VARIANTS["before"])
-        assert window_errors(current)["5-30"] <= 0.2 and bound_steps(current) == 0
+        assert replay_errors(current)["5-30"] <= 0.2 and bound_steps(current) == 0
         assert bound_steps(before) > 0
 
 
