@@ -1,26 +1,21 @@
 """``megatron-dcp calibrate --link-rate`` end to end (root only: a network namespace and tc): a
 tiny calibration on 2 ranks over a loopback shaped to 200mbit writes a profile whose source holds
 the probed rate (within 20 % of the request), each rank's half of it, and a fitted comm whose
-implied bandwidth is that share's order; a bad rate is refused before anything runs."""
+implied bandwidth is that share's order; a bad rate is refused before anything runs.
 
-import os
-import shutil
+Hidden 256: a layer pass's K/V exchange must outgrow tbf's bucket (256 KiB, which passes at the
+unshaped speed). At hidden 64 the largest exchange was 128 KiB, the fit implied 3-5x the shaped
+share, and the test failed in 3 of 4 runs."""
+
 
 import pytest
 
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.tools.cli import main as cli
 
-TOOLS = ("unshare", "ip", "tc")
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="--link-rate needs root (network namespaces)"),
-    pytest.mark.skipif(
-        any(shutil.which(tool) is None for tool in TOOLS),
-        reason=f"--link-rate needs {', '.join(TOOLS)} on PATH",
-    ),
-]
+pytestmark = pytest.mark.link_shaping  # conftest.py skips it without root or tools
 TINY = [
-    "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2",
+    "--num-layers", "1", "--hidden-size", "256", "--num-attention-heads", "4",
     "--ffn-hidden-size", "128", "--seq-length", "512", "--max-position-embeddings", "512",
     "--vocab-size", "2048", "--position-embedding-type", "rope",
     "--lengths", "128,256,512", "--pack-sizes", "1,2", "--repeats", "1", "--nproc", "2",
