@@ -22,6 +22,7 @@ from megatron_dcp.integration.forward_backward import packed_seq_params_of
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.integration.model_parallel import init_megatron
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple
+from megatron_dcp.testing.gdn import gdn_fields, gdn_layer_spec, mark_gdn_tp_blocks
 from megatron_dcp.testing.hybrid import build_hybrid_chunk, mamba_fields
 from megatron_dcp.testing.moe import (
     global_expert_name,
@@ -57,6 +58,8 @@ class TinyGPTOptions:
     max_sequence_length: int = 512
     mtp_layers: int = 0
     hybrid_layer_pattern: Optional[str] = None  # e.g. "M*M-": megatron's HybridModel (hybrid.py)
+    # Gated DeltaNet hybrid (gdn.py): GDN layers, standard attention every N-th (None: no GDN).
+    linear_attention_freq: Optional[int] = None
     seed: int = 1234
     sequence_parallel: bool = False  # applies when tp > 1 (the reference runs without it)
     # Activation recomputation (TransformerConfig's fields of the same names; None: off).
@@ -121,6 +124,7 @@ def tiny_gpt_config(
         add_bias_linear=options.add_bias_linear,
         **moe_fields(options),
         **mamba_fields(options),
+        **gdn_fields(options),
     )
 
 
@@ -146,6 +150,7 @@ def build_tiny_gpt(
     config = tiny_gpt_config(tp, pp, cp, vpp, options)
     chunks = [_build_chunk(config, options, stage) for stage in _vp_stages(vpp)]
     for chunk in chunks:
+        mark_gdn_tp_blocks(chunk)
         init_from_global_names(chunk, options.seed)
     return chunks
 
@@ -161,6 +166,8 @@ def _build_chunk(
         return build_hybrid_chunk(config, options, stage)
     ignore_virtual = stage is None
     layer_spec = reference_layer_spec(num_experts=options.num_moe_experts, moe_grouped_gemm=False)
+    if options.linear_attention_freq:
+        layer_spec = gdn_layer_spec(config, stage)
     mtp_spec = None
     if options.mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, False, vp_stage=stage)

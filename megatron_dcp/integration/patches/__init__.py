@@ -2,9 +2,9 @@
 
 Groups, applied by the functions below (each idempotent; each entry restorable):
 
-- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, MoE router, TE
-  attention), the MTP loss weighted by global token counts, and the timer of megatron's
-  backward steps;
+- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, Gated DeltaNet,
+  MoE router, TE attention), the MTP loss weighted by global token counts, and the timer of
+  megatron's backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
@@ -44,6 +44,7 @@ from megatron_dcp.integration.patches.cpu_backend import (
     cpu_backend_enabled,
 )
 from megatron_dcp.integration.patches.dev_api import UPSTREAM_PATCHES
+from megatron_dcp.integration.patches.gdn_switching import GDN_PATCHES
 from megatron_dcp.integration.patches.gloo_pipeline import PIPELINE_PATCHES
 from megatron_dcp.integration.patches.megatron_training import TRAINING_PATCHES, use_schedule
 from megatron_dcp.integration.patches.mtp_loss import MTP_PATCHES
@@ -61,6 +62,7 @@ PATCHES: Tuple[Entry, ...] = (
     *CPU_BACKEND_PATCHES,
     *CPU_TRAINING_PATCHES,
     *DCP_PATCHES,
+    *GDN_PATCHES,
     *MTP_PATCHES,
     *TIMING_PATCHES,
     *PIPELINE_PATCHES,
