@@ -35,7 +35,7 @@ from megatron.training.argument_utils import gpt_config_from_args  # noqa: E402
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
 from megatron_dcp.integration.cpu.gpt_layer_spec import local_gpt_layer_spec  # noqa: E402
 from megatron_dcp.integration.cpu.spec_refusals import check_local_gpt_spec  # noqa: E402
-from megatron_dcp.integration.model_checks import check_gdn_cp  # noqa: E402
+from megatron_dcp.integration.model_checks import check_gdn_args  # noqa: E402
 from megatron_dcp.integration.training.entry import (  # noqa: E402
     CPU_DEFAULTS,
     check_args,
@@ -51,16 +51,11 @@ GDN_VARIANT = "gated_delta_net"
 
 
 def check_gpt_args(args: Any) -> DCPConfig:
-    """The DCP flags (``check_args``) and, for a Gated DeltaNet hybrid, the CP sizes its GDN
-    layers admit: every size a plan may use (docs/usage.md)."""
+    """The DCP flags (``check_args``) and, for a Gated DeltaNet hybrid, its activation and the CP
+    sizes its GDN layers admit: every size a plan may use (docs/usage.md)."""
     config = check_args(args)
     if getattr(args, "experimental_attention_variant", None) == GDN_VARIANT:
-        check_gdn_cp(
-            args.linear_num_key_heads,
-            args.linear_num_value_heads,
-            args.tensor_model_parallel_size,
-            plan_cp_sizes(args, config),
-        )
+        check_gdn_args(args, plan_cp_sizes(args, config))
     return config
 
 

@@ -122,12 +122,13 @@ def check_recompute(config: Any, cpu_backend: bool) -> None:
             "the backward pass never finishes (with or without DCP). Add --disable-bias-linear "
             "or recompute core_attn instead."
         )
-    if "layernorm" in modules and cpu_backend:
-        raise ValueError(
-            f"--recompute-modules layernorm needs Transformer Engine (megatron-core 0.19.2 "
-            "queries TE's FP8 state when it recomputes norms), which the CPU backend has not: "
-            "drop layernorm from --recompute-modules on CPU."
-        )
+    for module in ("layernorm", "gdn_norm_out"):
+        if module in modules and cpu_backend:
+            raise ValueError(
+                f"--recompute-modules {module} needs Transformer Engine (megatron-core 0.19.2 "
+                "queries TE's FP8 state in its output-discarding checkpoint), which the CPU "
+                f"backend has not: drop {module} from --recompute-modules on CPU."
+            )
 
 
 def check_cuda_graphs(config: Any) -> None:
@@ -205,6 +206,20 @@ def check_mamba_cp(nheads: int, ngroups: int, tp: int, cp_sizes: Sequence[int]) 
             "(or lower --mamba-head-dim), shrink the DP×CP domain, or plan static CP with "
             "--sequence-packing-scheduler dp_balanced (only --context-parallel-size is used)."
         )
+
+
+def check_gdn_args(args: Any, cp_sizes: Sequence[int]) -> None:
+    """A Gated DeltaNet hybrid's flags (megatron's parsed ``args``), before megatron builds it:
+    the SiLU its convolution asserts at the first forward, and :func:`check_gdn_cp`."""
+    if not getattr(args, "swiglu", False):
+        raise ValueError(
+            "--experimental-attention-variant gated_delta_net needs --swiglu: megatron-core "
+            "0.19.2's GatedDeltaNet applies the model's activation function after its short "
+            "convolution and accepts only SiLU, which --swiglu selects (the MLPs become SwiGLU, "
+            "as in Qwen3-Next). Add --swiglu."
+        )
+    tp = args.tensor_model_parallel_size
+    check_gdn_cp(args.linear_num_key_heads, args.linear_num_value_heads, tp, cp_sizes)
 
 
 def check_gdn_cp(key_heads: int, value_heads: int, tp: int, cp_sizes: Sequence[int]) -> None:
