@@ -1,12 +1,14 @@
 """The reference Gated DeltaNet kernels (``integration.cpu.gdn_kernels``) against a direct
-per-sequence, per-head computation written here (float64, forward and gradients), packing (a
-packed batch with ``cu_seqlens`` equals each sequence alone, and without it does not), and
-megatron's own chunked ``torch_chunk_gated_delta_rule`` on one unpacked sequence."""
+per-sequence, per-head computation of the recurrence written here (float64, forward and
+gradients, with the state carried over chunk boundaries), packing (a packed batch with
+``cu_seqlens`` equals each sequence alone, and without it does not), and megatron's own chunked
+``torch_chunk_gated_delta_rule`` on one unpacked sequence."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_dcp.integration.cpu import gdn_kernels
 from megatron_dcp.integration.cpu.gdn_kernels import causal_conv1d, chunk_gated_delta_rule, l2norm
 from megatron_dcp.integration.megatron_import import import_megatron_core
 
@@ -77,8 +79,10 @@ def grads_of(out, inputs):
     return torch.autograd.grad((out * weights).sum(), inputs, retain_graph=True)
 
 
+@pytest.mark.parametrize("chunk", [64, 3])  # one chunk per sequence; state carried across chunks
 @pytest.mark.parametrize("lengths", LENGTHS)
-def test_delta_rule_equals_the_recurrence_per_sequence(lengths):
+def test_delta_rule_equals_the_recurrence_per_sequence(lengths, chunk, monkeypatch):
+    monkeypatch.setattr(gdn_kernels, "CHUNK", chunk)
     inputs = delta_rule_inputs(sum(lengths))
     q, k = l2norm(inputs[0]), l2norm(inputs[1])  # as megatron feeds it: unit keys
     out, final = chunk_gated_delta_rule(q, k, *inputs[2:], cu_seqlens=cu_seqlens_of(lengths))

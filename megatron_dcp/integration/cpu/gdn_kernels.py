@@ -21,19 +21,24 @@ with autograd:
 - :func:`l2norm`: ``x / sqrt(Σx² + eps)`` over the last dimension.
 
 With ``cu_seqlens`` (packed THD sequences, batch 1) neither the state nor a convolution window
-crosses a sequence boundary. The recurrence runs one token at a time: exact whatever chunk size
-the GPU kernel uses, and meant for the short sequences of CPU runs. Initial and final states
-(inference) are not supported. The patch table installs these only when CUDA is absent
+crosses a sequence boundary. The recurrence is computed exactly, :data:`CHUNK` tokens at a time:
+inside a chunk it unrolls into a unit lower triangular system for the deltas (``_chunk``), and the
+state carries from chunk to chunk, so its result does not depend on the chunk size (the tests
+compare it with the token-by-token recurrence). Initial and final states (inference) are not
+supported. The patch table installs these only when CUDA is absent
 (``integration.patches.cpu_backend``); on a GPU megatron calls fla's kernels.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Tuple
 
 import torch
 
 from megatron_dcp.integration.cpu.mamba_kernels import causal_conv1d_fn
+
+CHUNK = 64  # tokens per triangular solve (the result does not depend on it)
 
 
 def l2norm(
@@ -91,36 +96,64 @@ def chunk_gated_delta_rule(
     _no_states(initial_state, output_final_state)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    starts = [0]
+    batch, length = q.shape[:2]
+    bounds = [0, length]
     if cu_seqlens is not None:
-        sequence_index(cu_seqlens, q.shape[0], q.shape[1])  # checks the packing
-        starts = [int(start) for start in cu_seqlens[:-1].tolist()]
+        sequence_index(cu_seqlens, batch, length)  # checks the packing
+        bounds = [int(bound) for bound in cu_seqlens.tolist()]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = _recurrence(_wide(q) * scale, _wide(k), _wide(v), _wide(g), _wide(beta), set(starts))
-    return out.to(v.dtype), None
+    inputs = (_wide(q) * scale, _wide(k), _wide(v), _wide(g), _wide(beta))
+    rows = []
+    for row in range(batch):
+        sequences = [
+            _sequence([x[row, start:end].transpose(0, 1) for x in inputs])
+            for start, end in zip(bounds[:-1], bounds[1:])
+            if end > start
+        ]
+        rows.append(torch.cat(sequences, dim=1).transpose(0, 1))
+    return torch.stack(rows).to(v.dtype), None
 
 
-def _recurrence(
+def _sequence(inputs: List[torch.Tensor]) -> torch.Tensor:
+    """One sequence, heads first (``q``, ``k``: ``(heads, length, key_dim)``, ``v``: ``(heads,
+    length, value_dim)``, ``g``, ``beta``: ``(heads, length)``), from a zero state, chunk by
+    chunk; the output ``(heads, length, value_dim)``."""
+    q, k, v, g, beta = inputs
+    state = k.new_zeros(k.shape[0], k.shape[-1], v.shape[-1])
+    outputs = []
+    for start in range(0, k.shape[1], CHUNK):
+        chunk = [x[:, start : start + CHUNK] for x in (q, k, v, g, beta)]
+        out, state = _chunk(*chunk, state)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1)
+
+
+def _chunk(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    starts: set,
-) -> torch.Tensor:
-    """The recurrence token by token, the state reset to zero at every sequence start."""
-    batch, length, heads, key_dim = k.shape
-    zero = k.new_zeros(batch, heads, key_dim, v.shape[-1])
-    state, outputs = zero, []
-    for t in range(length):
-        if t in starts:
-            state = zero
-        state = state * g[:, t].exp()[..., None, None]
-        key = k[:, t].unsqueeze(-2)  # (batch, heads, 1, key_dim)
-        delta = beta[:, t, :, None] * (v[:, t] - (key @ state).squeeze(-2))
-        state = state + key.transpose(-1, -2) * delta.unsqueeze(-2)
-        outputs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
-    return torch.stack(outputs, dim=1)
+    state: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over one chunk of c tokens, exactly, from ``state`` (heads, key, value).
+    With Γ_t = Σ_{j≤t} g_j inside the chunk, the recurrence unrolls to
+    ``S_t = e^{Γ_t}·S + Σ_{j≤t} e^{Γ_t−Γ_j}·k_j u_jᵀ``, so the deltas u solve the unit lower
+    triangular system ``u_t + β_t Σ_{j<t} e^{Γ_t−Γ_j}(k_t·k_j) u_j = β_t (v_t − e^{Γ_t} Sᵀk_t)``
+    and ``o_t = e^{Γ_t} Sᵀq_t + Σ_{j≤t} e^{Γ_t−Γ_j}(q_t·k_j) u_j``."""
+    size = k.shape[1]
+    cumulative = g.cumsum(-1)  # (heads, c)
+    causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    exponent = cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)  # (heads, t, j)
+    decay = exponent.masked_fill(~causal, -math.inf).exp()  # zero above the diagonal
+    start_decay = cumulative.exp().unsqueeze(-1)  # (heads, c, 1)
+    system = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay
+    target = beta.unsqueeze(-1) * (v - start_decay * (k @ state))
+    deltas = torch.linalg.solve_triangular(system, target, upper=False, unitriangular=True)
+    out = start_decay * (q @ state) + ((q @ k.transpose(-1, -2)) * decay) @ deltas
+    to_end = (cumulative[:, -1:] - cumulative).exp().unsqueeze(-1)  # e^{Γ_c − Γ_j}
+    state = cumulative[:, -1].exp()[:, None, None] * state + (k * to_end).transpose(-1, -2) @ deltas
+    return out, state
 
 
 def sequence_index(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
