@@ -211,7 +211,7 @@ PASSED_THROUGH = (
 
 def default_hardware_name(on_cpu: Optional[bool] = None) -> str:
     """``cpu-gloo`` when the CPU backend is on (``on_cpu`` None: ask the patch table), else
-    ``h100-nvlink``."""
+    ``h100-eager`` (an H100 with the fixed costs measured in eager execution)."""
     if on_cpu is None:
         from megatron_dcp.integration.patches.cpu_backend import cpu_backend_enabled
 

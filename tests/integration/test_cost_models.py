@@ -236,6 +236,20 @@ def test_mla_and_gdn_flags_give_the_transformer_configs_shape(pretrain_gpt):
     assert model_shape_from_args(args).gdn_layers == 2
 
 
+def test_a_gpu_plans_with_the_fixed_costs_measured_in_eager_execution():
+    from megatron_dcp.integration.model_cost import default_hardware_name
+
+    assert default_hardware_name(on_cpu=False) == "h100-eager"
+    assert default_hardware_name(on_cpu=True) == "cpu-gloo"
+    config = transformer_config()
+    prior, eager = cost(config, "h100-nvlink"), cost(config, "h100-eager")
+    assert eager.microbatch == pytest.approx(40 * prior.microbatch)
+    assert eager.ring_step == pytest.approx(10 * prior.ring_step)
+    assert (eager.linear, eager.quadratic, eager.comm) == (prior.linear, prior.quadratic, prior.comm)
+    bandwidth, latency = HARDWARE_PROFILES["h100-eager"].inter_node_factors()
+    assert bandwidth == 9 and 1 < latency < 1.2  # a ring across nodes is never cheaper
+
+
 def test_pretrain_gpt_plans_with_the_trained_models_coefficients(pretrain_gpt):
     small_args = training_args(pretrain_gpt)
     small = pretrain_gpt.check_args(small_args).cost_model
