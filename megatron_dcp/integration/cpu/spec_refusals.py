@@ -169,11 +169,6 @@ def check_attention(config: Any, where: str, fix: str) -> None:
             f"--experimental-attention-variant {variant} {where}: megatron-core 0.19.2 builds "
             f"the experimental attention variants from Transformer Engine modules only; {fix}."
         )
-    if config.multi_latent_attention:
-        raise ValueError(
-            f"--multi-latent-attention {where}: the reference core attention has no multi-latent "
-            f"attention (MLA's own head dimensions); {fix} (DCP refuses MLA on every backend)."
-        )
     kitchen_attention = getattr(config, "use_kitchen_attention", False)
     if getattr(config, "use_kitchen", False) or kitchen_attention:
         flag = "--use-kitchen-attention" if kitchen_attention else "kitchen"
