@@ -8,8 +8,9 @@ MLA applies RoPE itself, over ``pg_collection.cp``, and asserts that micro-batch
 
 - dp4·cp1: a static CP size of 1, so DCP's groups of 2 and 4 are larger than megatron's (MLA
   would cut its rotary table to the local token count there), direct query projection;
-- tp2·cp4 with sequence parallelism (8 ranks): low-rank query with q/kv norms, and the local
-  spec's column-parallel down projection (the ``mla_local_kv_down_projection`` patch);
+- tp2·cp4 with sequence parallelism (8 ranks), and tp2·cp2 without: low-rank query with q/kv
+  norms, and the local spec's column-parallel down projection (the
+  ``mla_local_kv_down_projection`` patch, one branch each);
 - MLA with MoE (expert parallelism 2) and an MTP layer at dp2·cp2: the DeepSeek-V3 shape. The
   reference is one packed micro-batch without CP (megatron weighs MTP by a micro-batch's own
   token ratio; DCP by the global batch's: ``test_mtp_oracle.py``).
@@ -91,20 +92,21 @@ def assert_mla_layers(grads: dict, options: TinyGPTOptions, prefix: str = "decod
 
 
 @pytest.mark.parametrize(
-    "layout,options,world",
+    "layout,options,budget,sizes",
     [
-        (Layout(dp=4, cp=1), DIRECT_QUERY, 4),
-        (Layout(tp=2, cp=4), dataclasses.replace(LOW_RANK_QUERY, sequence_parallel=True), 8),
+        (Layout(dp=4, cp=1), DIRECT_QUERY, 64, {2, 4}),
+        (Layout(tp=2, cp=4), dataclasses.replace(LOW_RANK_QUERY, sequence_parallel=True), 64, {2, 4}),
+        (Layout(tp=2, cp=2), LOW_RANK_QUERY, 100, {1, 2}),  # TP without sequence parallelism
     ],
-    ids=["dp4cp1-direct-query", "tp2cp4-sp-low-rank-query"],
+    ids=["dp4cp1-direct-query", "tp2cp4-sp-low-rank-query", "tp2cp2-low-rank-query"],
 )
-def test_mla_equals_single_process_with_mixed_cp_sizes(samples, layout, options, world):
-    reference = single_process_reference(samples, dataclasses.replace(options, sequence_parallel=False))
-    step = partial(
-        dcp_training_step, tp=layout.tp, cp=layout.cp, budget=64, options=options
-    )
+def test_mla_equals_single_process_with_mixed_cp_sizes(samples, layout, options, budget, sizes):
+    single = dataclasses.replace(options, sequence_parallel=False)
+    reference = single_process_reference(samples, single)
+    step = partial(dcp_training_step, tp=layout.tp, cp=layout.cp, budget=budget, options=options)
+    world = layout.tp * layout.dp * layout.cp
     results = run_distributed(step, world, samples, timeout_s=240)
-    assert_covers(results, layout, mix_of={2, 4})
+    assert_covers(results, layout, mix_of=sizes)
     for result in results:
         assert_step_matches(result, reference)
     assert_mla_layers(results[0].grads, options)
