@@ -58,6 +58,7 @@ DEEPSEEK_V3 = dataclasses.replace(
     expert_parallel=2,
     mtp_layers=1,
 )
+LOW_RANK_QUERY_SP = dataclasses.replace(LOW_RANK_QUERY, sequence_parallel=True)
 HEADS = TinyGPTOptions().num_attention_heads
 
 
@@ -66,13 +67,14 @@ def samples():
     return make_samples(LENGTHS, seed=7)
 
 
-def assert_mla_layers(grads: dict, options: TinyGPTOptions, prefix: str = "decoder.layers.0") -> None:
+def assert_mla_layers(grads: dict, options: TinyGPTOptions, prefix="decoder.layers.0") -> None:
     """The model trained MLA layers of the asked shape: their projections' full weights."""
     mla, hidden = MLA_FIELDS, options.hidden_size
     query = mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"]
+    latent, key_value = mla["kv_lora_rank"], mla["qk_head_dim"] + mla["v_head_dim"]
     expected = {
-        "linear_kv_down_proj": (mla["kv_lora_rank"] + mla["qk_pos_emb_head_dim"], hidden),
-        "linear_kv_up_proj": (HEADS * (mla["qk_head_dim"] + mla["v_head_dim"]), mla["kv_lora_rank"]),
+        "linear_kv_down_proj": (latent + mla["qk_pos_emb_head_dim"], hidden),
+        "linear_kv_up_proj": (HEADS * key_value, latent),
         "linear_proj": (hidden, HEADS * mla["v_head_dim"]),
     }
     if options.q_lora_rank is None:
@@ -81,7 +83,7 @@ def assert_mla_layers(grads: dict, options: TinyGPTOptions, prefix: str = "decod
         expected["linear_q_down_proj"] = (options.q_lora_rank, hidden)
         expected["linear_q_up_proj"] = (HEADS * query, options.q_lora_rank)
         expected["q_layernorm"] = (options.q_lora_rank,)
-        expected["kv_layernorm"] = (mla["kv_lora_rank"],)
+        expected["kv_layernorm"] = (latent,)
     attention = f"{prefix}.self_attention."
     shapes = {
         name[len(attention) :].rsplit(".", 1)[0]: tuple(grad.shape)
@@ -95,7 +97,7 @@ def assert_mla_layers(grads: dict, options: TinyGPTOptions, prefix: str = "decod
     "layout,options,budget,sizes",
     [
         (Layout(dp=4, cp=1), DIRECT_QUERY, 64, {2, 4}),
-        (Layout(tp=2, cp=4), dataclasses.replace(LOW_RANK_QUERY, sequence_parallel=True), 64, {2, 4}),
+        (Layout(tp=2, cp=4), LOW_RANK_QUERY_SP, 64, {2, 4}),
         (Layout(tp=2, cp=2), LOW_RANK_QUERY, 100, {1, 2}),  # TP without sequence parallelism
     ],
     ids=["dp4cp1-direct-query", "tp2cp4-sp-low-rank-query", "tp2cp2-low-rank-query"],

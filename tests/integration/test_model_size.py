@@ -1,7 +1,8 @@
 """``testing.model_size``, the parameter count the functional cases and end-to-end runs check
 megatron's log against: computed from the flags alone, it must equal the count of the model the
 entry point builds, on every rank, in tensor / pipeline / virtual-pipeline / expert layouts, with
-experts, MTP, q/k norms, multi-latent attention and Mamba layers; and megatron's log line must be read."""
+experts, MTP, q/k norms, multi-latent attention and Mamba layers; and megatron's log line must
+be read."""
 
 import pytest
 
