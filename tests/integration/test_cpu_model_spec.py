@@ -151,7 +151,8 @@ def test_heterogeneous_layers_with_experts_are_refused(heterogeneous, capfd):
 
 def test_gpu_local_implementation_refuses_mtp_with_the_te_fix():
     """On a GPU with --transformer-impl local, the fix offered is Transformer Engine, and MTP is
-    refused (megatron builds its layers with DotProductAttention; only the CPU patch swaps it)."""
+    refused (megatron builds its layers with DotProductAttention; only the CPU patch swaps it),
+    and so is MLA with TP > 1 (only the CPU backend corrects its down projection's gradient)."""
     from megatron_dcp.integration.cpu.spec_refusals import check_local_gpt_spec
 
     _, model_config = prepare_entry("pretrain_gpt", TINY_FLAGS)
@@ -160,6 +161,11 @@ def test_gpu_local_implementation_refuses_mtp_with_the_te_fix():
     with pytest.raises(ValueError, match=r"^--mtp-num-layers 1 with --transformer-impl local.*"):
         check_local_gpt_spec(model_config, on_cpu=False)
     model_config.transformer.mtp_num_layers = None
+    model_config.transformer.multi_latent_attention = True  # the TP correction is CPU only
+    model_config.transformer.tensor_model_parallel_size = 2
+    with pytest.raises(ValueError, match=r"^--multi-latent-attention with --tensor-model-paral"):
+        check_local_gpt_spec(model_config, on_cpu=False)
+    model_config.transformer.multi_latent_attention = False
     model_config.transformer.qk_l2_norm = True
     model_config.transformer.use_te_activation_func = True
     with pytest.raises(ValueError, match="use --transformer-impl transformer_engine"):

@@ -176,7 +176,8 @@ def check_attention(config: Any, where: str, fix: str) -> None:
             f"--experimental-attention-variant {variant} {where}: megatron-core 0.19.2 builds "
             f"the experimental attention variants from Transformer Engine modules only; {fix}."
         )
-    if config.multi_latent_attention and config.qk_layernorm and config.q_lora_rank is None:
+    low_rank_query = getattr(config, "q_lora_rank", None) is not None
+    if config.multi_latent_attention and config.qk_layernorm and not low_rank_query:
         raise ValueError(
             f"--qk-layernorm with --multi-latent-attention and no --q-lora-rank {where}: "
             "megatron-core 0.19.2 builds that query norm only fused into linear_q_proj "
