@@ -13,9 +13,9 @@ from typing import Dict, List, Optional, Sequence
 from megatron_dcp.tools.bench_train.results import BenchResult, read_plans
 from megatron_dcp.tools.check.reordered import CHECK_ARMS, REORDERED
 from megatron_dcp.tools.check.tolerance import Difference
-from megatron_dcp.tools.check.worker import RANKS_DIR
 
 WORKER = "tools.check.worker"
+RANKS_DIR = "check"  # the workers' findings, rank<r>.jsonl
 BATCHES, WARMUP = 3, 1  # the smoke figure compares the last two
 
 
@@ -48,6 +48,7 @@ class LayoutResult:
     tokens: Dict[str, List[int]] = field(default_factory=dict)  # arm -> tokens per batch
     speed: Optional[Dict[str, float]] = None
     error: Optional[str] = None
+    training_flags: List[str] = field(default_factory=list)  # what the workers were started with
 
     def mixes(self) -> bool:
         """DCP planned at least one batch on two or more CP sizes."""
@@ -84,7 +85,7 @@ def run_layout(layout: Layout, flags: Sequence[str], out: Path, timeout_s: float
 
 
 def read_result(layout: Layout, out: Path, bench: BenchResult) -> LayoutResult:
-    result = LayoutResult(layout, speed=speed_of(bench))
+    result = LayoutResult(layout, speed=speed_of(bench), training_flags=list(bench.flags))
     plans = read_plans(out)
     for arm in CHECK_ARMS:
         result.cp_sizes[arm] = [sorted(map(int, plans[b][arm]["cp_sizes"])) for b in sorted(plans)]

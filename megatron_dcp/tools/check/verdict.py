@@ -101,6 +101,7 @@ def layout_json(result: LayoutResult) -> Dict[str, Any]:
             "worst": [difference_json(d) for d in ranked[:WORST_KEPT]],
         },
         "speed": result.speed,
+        "training_flags": result.training_flags,
         "failures": failures(result),
     }
 

@@ -27,9 +27,9 @@ import torch
 from megatron_dcp.tools.bench_train.arms import arm_at
 from megatron_dcp.tools.bench_train.worker import BenchSpec, bench_schedule_class, repeated_provider
 from megatron_dcp.tools.check.reordered import REORDERED, check_schedulers
+from megatron_dcp.tools.check.runs import RANKS_DIR
 
 NOOP_VARIABLE = "MEGATRON_DCP_CHECK_NOOP_PATCH"
-RANKS_DIR = "check"
 Held = Tuple[Tuple[float, int], Dict[str, torch.Tensor]]
 
 

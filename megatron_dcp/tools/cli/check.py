@@ -40,7 +40,7 @@ DEFAULTS: Dict[str, object] = {
     "--max-position-embeddings": 1024,
     "--global-batch-size": 8,
     "--vocab-size": 1024,
-    "--varlen-distribution": "lognormal:median=160,sigma=1.0,min=16,max=1024",
+    "--varlen-distribution": "lognormal:median=256,sigma=1.0,min=16,max=1024",
     "--max-seqlen-per-dp-cp-rank": 512,
 }
 # Set by the check whatever the user passes: the layout, and what makes the arms comparable.
