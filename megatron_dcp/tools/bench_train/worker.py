@@ -122,8 +122,7 @@ class DigestingIterator:
 
 
 def bench_schedule_class(spec: BenchSpec, schedulers: Optional[Mapping[str, Any]] = None) -> type:
-    """The DCP schedule of a benchmark run (built after megatron is importable); ``schedulers``:
-    the arms' scheduler classes by name (default ``arms.ARMS``)."""
+    """The DCP schedule of a benchmark run, the arms planned by ``schedulers`` (``arms.ARMS``)."""
     import torch.distributed as dist
 
     from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
@@ -148,8 +147,7 @@ def bench_schedule_class(spec: BenchSpec, schedulers: Optional[Mapping[str, Any]
                 save_profile(str(Path(spec.out) / PRIOR_FILE), CostProfile(base.cost_model, source))
             wrapper.scheduler = ArmRotation(
                 spec.arms,
-                record=self.record_plans,
-                schedulers=schedulers or ARMS,
+                record=self.record_plans, schedulers=schedulers or ARMS,  # fmt: skip
                 dp_size=base.domain.dp_size,
                 cp_size=base.domain.cp_size,
                 max_seqlen_per_dp_cp_rank=base.domain.max_seqlen_per_dp_cp_rank,

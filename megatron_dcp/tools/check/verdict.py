@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from megatron_dcp.tools.check.reordered import CHECK_ARMS
-from megatron_dcp.tools.check.runs import LayoutResult
+from megatron_dcp.tools.check.layout_runs import LayoutResult
 from megatron_dcp.tools.check.tolerance import ERROR_FACTOR, FLOOR_ULPS, Difference
 
 PREFIX = "megatron-dcp check:"

@@ -10,7 +10,7 @@
    identical samples (bench-train's run, its digests checked). DCP's plans must mix CP sizes;
    its loss and every gradient must be within the tolerance the reordered run measures
    (``tools.check.tolerance``). On the DP×CP domain of every rank, and with 4 or more ranks also
-   on two pipeline stages (``tools.check.runs.layouts_for``).
+   on two pipeline stages (``tools.check.layout_runs.layouts_for``).
 3. **Speed**: the same run's step times (bench-train's figures over its last two batches): a
    smoke figure, not a benchmark.
 4. **Verdict**: one last line, ``megatron-dcp check: PASS ...`` (exit 0) or ``FAIL ...`` (exit 1).
@@ -138,7 +138,7 @@ def run_checks(
     options: argparse.Namespace, nproc: int, flags: List[str], report: Dict[str, Any]
 ) -> int:
     """Every layout's run, its findings, the verdict line; 0 on PASS, 1 on FAIL."""
-    from megatron_dcp.tools.check.runs import LayoutResult, layouts_for, run_layout
+    from megatron_dcp.tools.check.layout_runs import LayoutResult, layouts_for, run_layout
     from megatron_dcp.tools.check.verdict import (
         describe,
         failures,

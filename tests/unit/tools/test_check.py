@@ -4,7 +4,7 @@ failed run each FAIL), the refusals before anything runs, the flags the check se
 
 import pytest
 
-from megatron_dcp.tools.check.runs import Layout, LayoutResult, layouts_for
+from megatron_dcp.tools.check.layout_runs import Layout, LayoutResult, layouts_for
 from megatron_dcp.tools.check.tolerance import (
     ERROR_FACTOR,
     FLOAT32_EPS,

@@ -27,7 +27,7 @@ import torch
 from megatron_dcp.tools.bench_train.arms import arm_at
 from megatron_dcp.tools.bench_train.worker import BenchSpec, bench_schedule_class, repeated_provider
 from megatron_dcp.tools.check.reordered import REORDERED, check_schedulers
-from megatron_dcp.tools.check.runs import RANKS_DIR
+from megatron_dcp.tools.check.layout_runs import RANKS_DIR
 
 NOOP_VARIABLE = "MEGATRON_DCP_CHECK_NOOP_PATCH"
 Held = Tuple[Tuple[float, int], Dict[str, torch.Tensor]]

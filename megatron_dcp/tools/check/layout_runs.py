@@ -14,7 +14,7 @@ from megatron_dcp.tools.bench_train.results import BenchResult, read_plans
 from megatron_dcp.tools.check.reordered import CHECK_ARMS, REORDERED
 from megatron_dcp.tools.check.tolerance import Difference
 
-WORKER = "tools.check.worker"
+WORKER = "tools.check.gradient_worker"
 RANKS_DIR = "check"  # the workers' findings, rank<r>.jsonl
 BATCHES, WARMUP = 3, 1  # the smoke figure compares the last two
 
