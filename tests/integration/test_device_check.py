@@ -39,7 +39,8 @@ def test_dry_run_records_every_step(tmp_path):
     assert refusal.startswith("megatron-dcp check: error: --nproc=1: a DP×CP domain of one rank")
     assert results["check"]["refused"] in refusal
     assert results["check"]["environment"]["megatron_core"]["supported"]
-    assert steps["gpu_tests"]["exit_status"] == 0 and "skipped" in steps["gpu_tests"]["output_tail"][-1]
+    gpu_tests = steps["gpu_tests"]
+    assert gpu_tests["exit_status"] == 0 and "skipped" in gpu_tests["output_tail"][-1]
     assert "profile" not in results and not (tmp_path / "profile.json").exists()
 
 

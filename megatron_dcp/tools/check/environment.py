@@ -19,7 +19,9 @@ KERNELS = {
     "mamba-ssm": "Mamba kernels",
     "causal-conv1d": "Mamba conv kernels",
 }
-NODE_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+NODE_VARIABLES = (
+    "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"
+)  # fmt: skip
 
 
 def version_of(distribution: str) -> Optional[str]:

@@ -73,7 +73,8 @@ def batch_record(batch: int, held: Dict[str, Held]) -> Dict[str, Any]:
         [name, largest(value), largest(reordered[name] - value), largest(dcp[name] - value)]
         for name, value in static.items()
     ]
-    return {"batch": batch, "loss": {arm: list(h[0]) for arm, h in held.items()}, "tensors": tensors}
+    losses = {arm: list(h[0]) for arm, h in held.items()}
+    return {"batch": batch, "loss": losses, "tensors": tensors}
 
 
 def check_schedule_class(spec: BenchSpec) -> type:

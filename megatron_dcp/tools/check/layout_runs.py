@@ -31,7 +31,8 @@ class Layout:
         return self.pp * self.cp
 
     def flags(self) -> List[str]:
-        return ["--pipeline-model-parallel-size", str(self.pp), "--context-parallel-size", str(self.cp)]
+        pp, cp = str(self.pp), str(self.cp)
+        return ["--pipeline-model-parallel-size", pp, "--context-parallel-size", cp]
 
     def __str__(self) -> str:
         return f"pp{self.pp}·cp{self.cp}" if self.pp > 1 else f"cp{self.cp}"
@@ -55,7 +56,8 @@ class LayoutResult:
         return any(len(sizes) > 1 for sizes in self.cp_sizes.get("dcp", []))
 
     def static_sizes(self) -> List[int]:
-        return sorted({s for arm in ("static", REORDERED) for b in self.cp_sizes.get(arm, []) for s in b})
+        arms = ("static", REORDERED)
+        return sorted({s for arm in arms for batch in self.cp_sizes.get(arm, []) for s in batch})
 
 
 def layouts_for(nproc: int) -> List[Layout]:
@@ -100,7 +102,8 @@ def add_record(result: LayoutResult, rank: str, record: dict, first_rank: bool) 
     """One rank's line of one batch: its gradient differences; from rank 0 also the loss."""
     batch = record["batch"]
     for name, magnitude, noise, difference in record["tensors"]:
-        result.gradients.append(Difference(f"batch {batch} {rank} {name}", magnitude, noise, difference))
+        where = f"batch {batch} {rank} {name}"
+        result.gradients.append(Difference(where, magnitude, noise, difference))
     if not first_rank:
         return
     loss = record["loss"]

@@ -65,7 +65,8 @@ def test_a_loss_beyond_the_tolerance_fails():
 def test_a_run_without_a_mix_of_cp_sizes_fails():
     result = passing()
     result.cp_sizes["dcp"] = [[2], [2]]  # the planner returned static plans
-    assert failures(result) == ["cp2: DCP planned one CP size per batch ([2] [2]): no mix was checked"]
+    expected = "cp2: DCP planned one CP size per batch ([2] [2]): no mix was checked"
+    assert failures(result) == [expected]
 
 
 def test_unequal_token_counts_and_a_failed_run_fail():
@@ -73,7 +74,8 @@ def test_unequal_token_counts_and_a_failed_run_fail():
     result.tokens["dcp"] = [100, 119]
     assert any("different loss tokens" in f for f in failures(result))
     crashed = LayoutResult(Layout(2, 2), error="training exited with 1: RuntimeError: boom\n...")
-    assert failures(crashed) == ["pp2·cp2: training failed: training exited with 1: RuntimeError: boom"]
+    expected = "pp2·cp2: training failed: training exited with 1: RuntimeError: boom"
+    assert failures(crashed) == [expected]
 
 
 def test_layouts_add_a_pipeline_from_four_ranks():
