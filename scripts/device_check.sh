@@ -43,6 +43,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$OUT/steps"
+# This package from the working tree, for the scripts too (python scripts/x.py puts scripts/ first).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 install_missing() {
   local modules="megatron.core numpy einops yaml pytest hypothesis"
