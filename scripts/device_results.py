@@ -5,11 +5,12 @@ a ready-made cost profile for ``--dcp-cost-profile`` in ``OUT/profile.json``.
     python scripts/device_results.py --out DIR [--dry-run]
 
 The profile is the cost model of the probe's shape (``scripts/gpu_cost_probe.py``: the default
-``ModelShape``, Llama-3-8B-like, on ``h100-nvlink``) with its layers' measured terms: the
-per-layer micro-batch, linear and quadratic coefficients the probe fitted replace the profile's
-per-layer share, times the number of layers (the output head keeps the profile's figure), and
-``cp_efficiency`` is the median of the ring-chunk efficiencies it measured (at most 1). The K/V
-exchange and the ring-step latency need two GPUs and keep the profile's values; ``source`` says so.
+``ModelShape``, Llama-3-8B-like, on ``h100-eager``, the GPU training default) with its layers'
+measured terms: the per-layer micro-batch, linear and quadratic coefficients the probe fitted
+replace the profile's per-layer share, times the number of layers (the output head keeps the
+profile's figure), and ``cp_efficiency`` is the median of the ring-chunk efficiencies it measured
+(at most 1). The K/V exchange and the ring-step latency need two GPUs and keep the profile's
+values (its ring step is the one a single H200 measured in eager execution); ``source`` says so.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gpu_cost_probe import SHAPE, per_layer_model  # noqa: E402
 
 from megatron_dcp.scheduling.cost import CostModel  # noqa: E402
 from megatron_dcp.scheduling.cost_fit import CostProfile, save_profile  # noqa: E402
+from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE, hardware_profile  # noqa: E402
 
 STEPS = ("probe", "check", "gpu_tests")
 TAIL_LINES = 30
@@ -52,7 +54,8 @@ def read_step(folder: Path, name: str) -> Dict[str, Any]:
 
 def profile_from_probe(probe: Dict[str, Any]) -> CostProfile:
     """The ready-made profile of the probe's shape (module docstring)."""
-    prior, per_layer = CostModel.from_model_shape(SHAPE), per_layer_model()
+    hardware = hardware_profile(DEFAULT_GPU_PROFILE)
+    prior, per_layer = CostModel.from_model_shape(SHAPE, hardware), per_layer_model(hardware)
     microbatch, linear, quadratic = probe["fit"]
     layers = SHAPE.num_layers
     efficiencies = [min(1.0, c["whole"] / c["cp"] / c["chunked"]) for c in probe["ring_chunks"]]
@@ -68,7 +71,7 @@ def profile_from_probe(probe: Dict[str, Any]) -> CostProfile:
         "by": "scripts/device_check.sh (gpu_cost_probe.py)",
         "device": probe.get("device"),
         "measured": "per-layer micro-batch, linear and quadratic terms; cp_efficiency",
-        "kept from h100-nvlink": "comm, ring_step (need two GPUs), the output head's share",
+        f"kept from {DEFAULT_GPU_PROFILE}": "comm, ring_step (need two GPUs), the head's share",
         "shape": dataclasses.asdict(SHAPE),
     }
     return CostProfile(cost, source)
