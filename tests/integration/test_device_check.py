@@ -13,6 +13,7 @@ import pytest
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.cost_fit import load_profile, save_profile
+from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE, hardware_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -45,14 +46,15 @@ def test_dry_run_records_every_step(tmp_path):
 
 
 def test_profile_from_a_probe_carries_its_coefficients(tmp_path):
-    layer = per_layer_model()
+    hardware = hardware_profile(DEFAULT_GPU_PROFILE)  # h100-eager: the GPU training default
+    layer = per_layer_model(hardware)
     fit = [2 * layer.microbatch, 3 * layer.linear, 0.5 * layer.quadratic]
     chunks = [{"length": 8192, "cp": c, "whole": 1.0, "chunked": 1.0 / (c * e)}
               for c, e in ((2, 0.9), (4, 0.8), (8, 1.2))]  # fmt: skip
     profile = profile_from_probe({"device": "test", "fit": fit, "ring_chunks": chunks})
     save_profile(str(tmp_path / "profile.json"), profile)
     cost = load_profile(str(tmp_path / "profile.json")).cost
-    prior = CostModel.from_model_shape(SHAPE)
+    prior = CostModel.from_model_shape(SHAPE, hardware)
     layers = SHAPE.num_layers
     assert cost.linear == pytest.approx(prior.linear + 2 * layers * layer.linear)
     assert cost.quadratic == pytest.approx(prior.quadratic - 0.5 * layers * layer.quadratic)
