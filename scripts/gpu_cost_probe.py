@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.hardware import HardwareProfile
 from megatron_dcp.scheduling.model_shape import ModelShape
 
 SHAPE = ModelShape()
@@ -88,17 +90,17 @@ def seconds(layer: Layer, sequences: int, length: int, repeats: int = 10) -> flo
     return statistics.median(times)
 
 
-def per_layer_model() -> CostModel:
-    """The profile's cost of one GPT layer: the difference of 2-layer and 1-layer models (the
-    output head cancels)."""
+def per_layer_model(hardware: Optional[HardwareProfile] = None) -> CostModel:
+    """A profile's cost of one GPT layer (default ``h100-nvlink``): the difference of 2-layer
+    and 1-layer models (the output head cancels)."""
     one, two = (
-        CostModel.from_model_shape(ModelShape(num_layers=n)) for n in (1, 2)
+        CostModel.from_model_shape(ModelShape(num_layers=n), hardware) for n in (1, 2)
     )
     return CostModel(
         linear=two.linear - one.linear,
         quadratic=two.quadratic - one.quadratic,
         microbatch=two.microbatch - one.microbatch,
-        name="h100-nvlink, one layer",
+        name=f"{hardware.name if hardware else 'h100-nvlink'}, one layer",
     )
 
 

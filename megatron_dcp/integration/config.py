@@ -151,7 +151,8 @@ def add_cost_args(group: Any) -> None:
         default=None,
         choices=sorted(HARDWARE_PROFILES),
         help="Hardware profile of the default cost model (default: cpu-gloo on the CPU "
-        "backend, h100-nvlink otherwise).",
+        "backend, h100-eager otherwise: an H100 with the fixed costs measured in eager "
+        "execution).",
     )
     group.add_argument(
         LINK_BANDWIDTH_FLAG,

@@ -28,6 +28,7 @@ def check_model_config(
     check_cuda_graphs(config)
     check_tp_comm_overlap(config)
     check_moe(config)
+    check_mla(config)
     if cpu_backend:
         check_cpu_precision(config)
 
@@ -44,12 +45,6 @@ def check_loss_and_exclusive_features(config: Any) -> None:
         raise ValueError(
             f"{DCP_FLAG} and --hybrid-context-parallel (megatron's own scheduler) exclude each "
             "other: remove --hybrid-context-parallel."
-        )
-    if getattr(config, "multi_latent_attention", False):
-        raise ValueError(
-            f"{DCP_FLAG} does not support multi-latent attention (--multi-latent-attention): "
-            "MLA's THD context-parallel path in megatron-core 0.19 ignores per-micro-batch CP "
-            "groups. Use standard attention or static context parallelism."
         )
 
 
@@ -179,6 +174,22 @@ def check_moe(model_config: Any) -> None:
             f"{DCP_FLAG} with MoE does not support --recompute-modules moe: the "
             "router re-runs in the backward pass, outside the micro-batch's CP group. Use "
             "--recompute-granularity full or recompute other modules (moe_act is fine)."
+        )
+
+
+def check_mla(config: Any) -> None:
+    """Multi-latent attention runs its RoPE on the micro-batch's CP group (the ``mla_rope``
+    patch); selective recomputation of ``mla_up_proj`` re-runs that RoPE in the backward pass,
+    outside the switch, on the static group."""
+    if not getattr(config, "multi_latent_attention", False):
+        return
+    modules = getattr(config, "recompute_modules", None) or ()
+    if getattr(config, "recompute_granularity", None) == "selective" and "mla_up_proj" in modules:
+        raise ValueError(
+            f"{DCP_FLAG} with multi-latent attention does not support --recompute-modules "
+            "mla_up_proj: the recomputed up-projection applies RoPE in the backward pass, outside "
+            "the micro-batch's CP group, over the static one. Recompute core_attn, or use "
+            "--recompute-granularity full."
         )
 
 

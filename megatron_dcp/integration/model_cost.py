@@ -21,7 +21,7 @@ from megatron_dcp.scheduling.hardware import (
     HardwareProfile,
     hardware_profile,
 )
-from megatron_dcp.scheduling.model_shape import ModelShape
+from megatron_dcp.scheduling.model_shape import GatedDeltaNetDims, LatentAttention, ModelShape
 from megatron_dcp.scheduling.plan import Plan
 
 # megatron's hybrid layer pattern symbols (megatron.core.models.hybrid.hybrid_layer_allocation)
@@ -29,7 +29,7 @@ from megatron_dcp.scheduling.plan import Plan
 # the three attention kinds have the L² core, '-' is a dense MLP and 'E' a MoE layer.
 HYBRID_KINDS = {
     "M": "mamba_layers",
-    "G": "mamba_layers",
+    "G": "gdn_layers",
     "*": "attention_layers",
     "D": "attention_layers",
     "+": "attention_layers",
@@ -66,11 +66,63 @@ def model_shape_of(
         mamba_num_groups=config.mamba_num_groups,
         mtp_depth=config.mtp_num_layers or 0,
         tp_size=config.tensor_model_parallel_size,
+        latent_attention=latent_attention_of(config),
+        gated_delta_net=gated_delta_net_of(config),
     )
     pattern = hybrid_pattern or getattr(config, "hybrid_layer_pattern", None)
     if pattern:
         values.update(hybrid_layer_counts(pattern))
+    elif getattr(config, "experimental_attention_variant", None) == GATED_DELTA_NET:
+        gdn = sum(linear_attention_pattern(config.linear_attention_freq, values["num_layers"]))
+        values.update(gdn_layers=gdn, attention_layers=values["num_layers"] - gdn)
     return ModelShape(**values)
+
+
+GATED_DELTA_NET = "gated_delta_net"
+
+
+def latent_attention_of(config: Any) -> Optional[LatentAttention]:
+    """MLA's dimensions when ``config`` asks for multi-latent attention, else None."""
+    if not getattr(config, "multi_latent_attention", False):
+        return None
+    return LatentAttention(
+        kv_lora_rank=config.kv_lora_rank,
+        qk_head_dim=config.qk_head_dim,
+        qk_pos_emb_head_dim=config.qk_pos_emb_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+    )
+
+
+def gated_delta_net_of(config: Any) -> GatedDeltaNetDims:
+    """The Gated DeltaNet mixer's dimensions (megatron's defaults where ``config`` has none)."""
+    names = {
+        "num_key_heads": "linear_num_key_heads",
+        "key_head_dim": "linear_key_head_dim",
+        "num_value_heads": "linear_num_value_heads",
+        "value_head_dim": "linear_value_head_dim",
+        "conv_kernel": "linear_conv_kernel_dim",
+    }
+    default = GatedDeltaNetDims()
+    values = {field: getattr(config, name, None) for field, name in names.items()}
+    return GatedDeltaNetDims(
+        **{field: value or getattr(default, field) for field, value in values.items()}
+    )
+
+
+def linear_attention_pattern(freq: Union[int, Sequence[int], None], num_layers: int) -> List[int]:
+    """megatron's ``--linear-attention-freq`` per layer (1: linear attention, here Gated
+    DeltaNet; 0: standard attention): an int N makes every N-th layer standard attention."""
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"--linear-attention-freq={freq}: must be >= 1")
+        return [0 if (i + 1) % freq == 0 else 1 for i in range(num_layers)]
+    if freq is None or len(freq) != num_layers:
+        raise ValueError(
+            f"--linear-attention-freq={freq!r}: Gated DeltaNet needs an int N (every N-th layer "
+            f"is standard attention) or one 0/1 per layer ({num_layers} layers)."
+        )
+    return [1 if flag else 0 for flag in freq]
 
 
 def moe_layer_count(moe_layer_freq: Union[int, Sequence[int]], num_layers: int) -> int:
@@ -135,12 +187,31 @@ def config_view(args: Any) -> SimpleNamespace:
         mamba_state_dim=getattr(args, "mamba_state_dim", 128),
         mamba_head_dim=getattr(args, "mamba_head_dim", 64),
         mamba_num_groups=getattr(args, "mamba_num_groups", 8),
+        **{name: getattr(args, name, None) for name in PASSED_THROUGH},
     )
+
+
+# Parsed arguments model_shape_of reads under the TransformerConfig field's own name.
+PASSED_THROUGH = (
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "experimental_attention_variant",
+    "linear_attention_freq",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 
 
 def default_hardware_name(on_cpu: Optional[bool] = None) -> str:
     """``cpu-gloo`` when the CPU backend is on (``on_cpu`` None: ask the patch table), else
-    ``h100-nvlink``."""
+    ``h100-eager`` (an H100 with the fixed costs measured in eager execution)."""
     if on_cpu is None:
         from megatron_dcp.integration.patches.cpu_backend import cpu_backend_enabled
 

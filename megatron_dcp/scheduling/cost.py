@@ -36,7 +36,7 @@ from typing import Iterable, Optional
 
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.hardware import (
-    DEFAULT_GPU_PROFILE,
+    REFERENCE_GPU_PROFILE,
     HardwareProfile,
     hardware_profile,
 )
@@ -76,7 +76,7 @@ class CostModel:
         K/V exchange, the ring steps of every attention layer pass, and every layer pass's fixed
         overhead per micro-batch."""
         s = shape or ModelShape()
-        hw = hardware or hardware_profile(DEFAULT_GPU_PROFILE)
+        hw = hardware or hardware_profile(REFERENCE_GPU_PROFILE)
         spill, spill_elements = 0.0, math.inf
         if hw.score_cache_bytes is not None and hw.score_spill_time > 0:
             spill = s.attention_passes() * s.heads_per_rank() * hw.score_spill_time

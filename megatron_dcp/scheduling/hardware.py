@@ -128,7 +128,28 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
     ),
 }
 
-DEFAULT_GPU_PROFILE = "h100-nvlink"
+# H100 as above, with the fixed costs one NVIDIA H200 measured in eager PyTorch (bf16, flash
+# attention, no Transformer Engine, one GPU; scripts/gpu_cost_probe.py, docs/performance.md "On a
+# GPU"): a GPT layer's forward and backward never took less than 1.6 ms (four layer passes:
+# 0.4 ms each, 40× the estimate above), and a ring chunk's attention forward and backward
+# 0.3 ms whatever its size (0.15 ms per ring step of a layer pass, 10× the estimate). DCP never
+# runs under CUDA graphs (it changes shapes and groups per micro-batch), so launches and Python
+# dispatch are paid on every micro-batch; Transformer Engine's fused kernels launch fewer per
+# layer, by an amount not measured yet. The work terms and links are h100-nvlink's; a ring step
+# across nodes adds InfiniBand's extra 20 µs (35 against 15 µs above) to the measured step.
+HARDWARE_PROFILES["h100-eager"] = replace(
+    HARDWARE_PROFILES["h100-nvlink"],
+    name="h100-eager",
+    ring_step_latency=0.15e-3,
+    layer_pass_overhead=0.4e-3,
+    inter_node_ring_step_latency=0.17e-3,
+)
+
+# What training on a GPU plans with by default: the measured fixed costs.
+DEFAULT_GPU_PROFILE = "h100-eager"
+# What the simulator, the reference benchmark matrix and its pinned plans price with: the
+# a-priori profile their published figures were made with.
+REFERENCE_GPU_PROFILE = "h100-nvlink"
 DEFAULT_CPU_PROFILE = "cpu-gloo"
 
 

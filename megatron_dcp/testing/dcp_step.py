@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.forward_backward import build_forward_backward
 from megatron_dcp.integration.patches import apply_patches
-from megatron_dcp.integration.training.forward_step import forward_step
+from megatron_dcp.integration.training.forward_step import forward_step, global_loss
 from megatron_dcp.runtime.pack_padding import NO_PADDING, PackPadding
 from megatron_dcp.scheduling import CostModel
 from megatron_dcp.testing.gpt import (
@@ -117,24 +116,6 @@ def init_model_parallel(
     """megatron's parallel state for the layout and ``options``' model (seed, expert layout)."""
     ep, etp = options.expert_parallel, options.expert_tensor_parallel
     init_megatron(tp, pp, cp, vpp, seed=options.seed, ep=ep, etp=etp)
-
-
-def global_loss(losses: Sequence[dict]) -> tuple[float, int]:
-    """Summed loss and token count of the global batch, on every rank: summed over micro-batches
-    and the DP×CP domain on the last pipeline stage, then broadcast along the pipeline."""
-    from megatron.core import parallel_state
-
-    total = torch.zeros(2, dtype=torch.float64)
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        for entry in losses:
-            total += entry["lm loss"].double()
-        dist.all_reduce(
-            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
-        )
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    last = dist.get_process_group_ranks(pp_group)[-1]
-    dist.broadcast(total, src=last, group=pp_group)
-    return total[0].item(), int(total[1].item())
 
 
 # ------------------------------------------------------------------------------------------------

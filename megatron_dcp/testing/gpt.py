@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.integration.cpu.core_attention import reference_layer_spec, with_core_attention
+from megatron_dcp.integration.cpu.gpt_layer_spec import local_transformer_spec
 from megatron_dcp.integration.forward_backward import packed_seq_params_of
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.integration.model_parallel import init_megatron
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple
 from megatron_dcp.testing.gdn import gdn_fields, gdn_layer_spec, mark_gdn_tp_blocks
 from megatron_dcp.testing.hybrid import build_hybrid_chunk, mamba_fields
+from megatron_dcp.testing.mla import config_class, mla_fields
 from megatron_dcp.testing.moe import (
     global_expert_name,
     gradient_sum_group,
@@ -78,6 +80,10 @@ class TinyGPTOptions:
     moe_z_loss_coeff: Optional[float] = None
     expert_parallel: int = 1
     expert_tensor_parallel: Optional[int] = None  # None: the TP size (megatron's default)
+    # Multi-latent attention (testing.mla: DeepSeek-V3's shape at toy size); q_lora_rank None:
+    # queries projected directly, else through a low-rank down/up projection.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +103,7 @@ def tiny_gpt_config(
 ) -> TransformerConfig:
     """fp32, CPU-initialised, no dropout; variable sequence lengths per micro-batch (which needs
     the alltoall dispatcher setting even for dense models: docs/cpu_backend.md)."""
-    return TransformerConfig(
+    return config_class(options)(
         num_layers=options.num_layers,
         hidden_size=options.hidden_size,
         num_attention_heads=options.num_attention_heads,
@@ -124,6 +130,7 @@ def tiny_gpt_config(
         add_bias_linear=options.add_bias_linear,
         **moe_fields(options),
         **mamba_fields(options),
+        **mla_fields(options),
         **gdn_fields(options),
     )
 
@@ -165,9 +172,14 @@ def _build_chunk(
     if options.hybrid_layer_pattern:
         return build_hybrid_chunk(config, options, stage)
     ignore_virtual = stage is None
-    layer_spec = reference_layer_spec(num_experts=options.num_moe_experts, moe_grouped_gemm=False)
-    if options.linear_attention_freq:
+    if options.multi_latent_attention:  # the CPU backend's own spec (MLA from local modules)
+        layer_spec = local_transformer_spec(config, stage)
+    elif options.linear_attention_freq:
         layer_spec = gdn_layer_spec(config, stage)
+    else:
+        layer_spec = reference_layer_spec(
+            num_experts=options.num_moe_experts, moe_grouped_gemm=False
+        )
     mtp_spec = None
     if options.mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, False, vp_stage=stage)

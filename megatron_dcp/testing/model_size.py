@@ -26,7 +26,8 @@ NEUTRAL = frozenset(
     --recompute-method --recompute-num-layers --recompute-modules --moe-router-topk
     --moe-token-dispatcher-type --moe-router-load-balancing-type --moe-aux-loss-coeff
     --expert-model-parallel-size --calculate-per-token-loss --use-rope-scaling
-    --rope-scaling-factor --use-rotary-position-embeddings --no-bias-gelu-fusion""".split()
+    --rope-scaling-factor --use-rotary-position-embeddings --no-bias-gelu-fusion --rope-type
+    --rotary-scaling-factor --mscale --mscale-all-dim""".split()
 )
 NEUTRAL_PREFIXES = ("--dcp-", "--sft-", "--varlen-")
 MODELLED = frozenset(
@@ -38,7 +39,8 @@ MODELLED = frozenset(
     --num-layers-per-virtual-pipeline-stage --num-experts --moe-layer-freq --moe-ffn-hidden-size
     --moe-shared-expert-intermediate-size --expert-tensor-parallel-size --mtp-num-layers
     --hybrid-layer-pattern --mamba-head-dim --mamba-num-groups --mamba-state-dim
-    --mamba-num-heads --experimental-attention-variant --linear-attention-freq
+    --mamba-num-heads --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim
+    --qk-pos-emb-head-dim --v-head-dim --experimental-attention-variant --linear-attention-freq
     --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim
     --linear-num-key-heads --linear-num-value-heads""".split()
 )
@@ -118,6 +120,8 @@ def padded_vocab(shape: Shape, vocab_size: Optional[int]) -> int:
 
 def attention(shape: Shape) -> int:
     """One TP shard of self-attention: QKV (GQA), projection, optional q/k norms."""
+    if shape.on("--multi-latent-attention"):
+        return mla_attention(shape)
     h, tp, heads = shape.hidden, shape.tp, shape.int("--num-attention-heads", 1)
     head_dim = h // heads
     groups = heads
@@ -131,6 +135,25 @@ def attention(shape: Shape) -> int:
         total += h  # the row-parallel projection's bias is whole on every TP rank
     if shape.on("--qk-layernorm") and not shape.on("--qk-l2-norm"):
         total += 2 * shape.norm(head_dim)  # over the head dimension, on every TP rank
+    return total
+
+
+def mla_attention(shape: Shape) -> int:
+    """One TP shard of multi-latent attention (megatron's local spec): the query projection
+    (direct, or down to ``--q-lora-rank`` and up), the key/value down projection to the latent
+    and the shared RoPE key, its up projection to per-head keys and values, the output
+    projection; with ``--qk-layernorm`` norms of the compressed query and of the latent. Only
+    the output projection has a bias. megatron's argument defaults where a flag is absent."""
+    h, tp, heads = shape.hidden, shape.tp, shape.int("--num-attention-heads", 1)
+    kv_rank, q_rank = shape.int("--kv-lora-rank", 32), shape.int("--q-lora-rank", 0)
+    nope, rope = shape.int("--qk-head-dim", 128), shape.int("--qk-pos-emb-head-dim", 64)
+    value = shape.int("--v-head-dim", 128)
+    query_out = heads * (nope + rope)
+    query = q_rank * (h + query_out) // tp if q_rank else h * query_out // tp
+    key_value = h * (kv_rank + rope) // tp + kv_rank * heads * (nope + value) // tp
+    total = query + key_value + heads * value * h // tp + (h if shape.bias else 0)
+    if shape.on("--qk-layernorm"):
+        total += shape.norm(kv_rank) + (shape.norm(q_rank) if q_rank else 0)
     return total
 
 

@@ -18,6 +18,12 @@ from megatron_dcp.testing.gpt import (
     single_process_reference,
 )
 from megatron_dcp.testing.precision import ExactRun, largest_difference, largest_magnitude
+from megatron_dcp.tools.check.tolerance import (  # noqa: F401 (FLOAT32_EPS: the tests' import)
+    ERROR_FACTOR,
+    FLOAT32_EPS,
+    FLOOR_ULPS,
+    tolerance,
+)
 
 # Three global batches of different lengths: the training-run oracles (weights after Adam steps).
 ADAM_LENGTHS = ((37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2))
@@ -34,19 +40,11 @@ ADAM_LENGTHS = ((37, 5, 120, 64), (200, 9, 33, 71), (16, 150, 90, 2))
 # other test at most 2.5). Set MEGATRON_DCP_ORACLE_MARGINS=FILE to log every comparison's ratio.
 # ERROR_FACTOR leaves room above that for CPUs whose SIMD paths round differently and stays below
 # PLANTED_FACTOR: an error that many times the oracle's own rounding is caught, in every tensor
-# (tests/integration/test_oracle_tolerance.py).
-ERROR_FACTOR = 8.0
-FLOOR_ULPS = 4.0
+# (tests/integration/test_oracle_tolerance.py). The rule itself, ERROR_FACTOR, FLOOR_ULPS and
+# ``tolerance``, is ``tools.check.tolerance``: ``megatron-dcp check`` applies the same one.
 MEASURED_WORST = 4.95
 PLANTED_FACTOR = 10.0
-FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 MARGINS_LOG = "MEGATRON_DCP_ORACLE_MARGINS"
-
-
-def tolerance(error: float, magnitude: float) -> float:
-    """The allowed distance from the exact value of a quantity whose float32 oracle was
-    ``error`` away from it, its largest magnitude ``magnitude``."""
-    return ERROR_FACTOR * max(error, FLOOR_ULPS * FLOAT32_EPS * magnitude)
 
 
 def assert_step_matches(result: DCPStepResult, reference: ReferenceResult) -> None:

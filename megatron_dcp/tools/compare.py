@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling import CostModel, Scheduler, build_cost_model, build_scheduler
 from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import Domain
-from megatron_dcp.scheduling.hardware import DEFAULT_GPU_PROFILE, hardware_profile
+from megatron_dcp.scheduling.hardware import REFERENCE_GPU_PROFILE, hardware_profile
 from megatron_dcp.scheduling.topology import NodeLayout, node_layout
 from megatron_dcp.tools.cli.args import error_message
 from megatron_dcp.tools.plan_report import Report, report, timed_schedule
@@ -45,7 +45,7 @@ class DomainSpec:
         ``ranks_per_node``)."""
         domain = self.domain()
         return node_layout(
-            domain, range(domain.size), self.ranks_per_node, hardware_profile(DEFAULT_GPU_PROFILE)
+            domain, range(domain.size), self.ranks_per_node, hardware_profile(REFERENCE_GPU_PROFILE)
         )
 
     def priced(self, cost: CostModel) -> CostModel:

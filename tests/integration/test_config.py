@@ -49,6 +49,9 @@ def test_a_supported_config_passes():
     layernorm = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
     check_model_config(config(**layernorm), te_available=True, cpu_backend=False)
     check_model_config(config(fp8="hybrid"), te_available=True, cpu_backend=False)
+    # Multi-latent attention runs on the micro-batch's CP group (the mla_rope patch).
+    mla = dict(multi_latent_attention=True, recompute_granularity="selective")
+    check_model_config(config(**mla, recompute_modules=["core_attn"]), cpu_backend=True)
     # Gated DeltaNet layers switch per micro-batch (patch gdn_context_parallel), gdn_norm_out
     # recomputation included (on a GPU: it needs Transformer Engine).
     gdn = dict(experimental_attention_variant="gated_delta_net", recompute_modules=["gdn_norm_out"])
@@ -61,7 +64,15 @@ def test_a_supported_config_passes():
     [
         (dict(calculate_per_token_loss=False), False, "--calculate-per-token-loss"),
         (dict(hybrid_context_parallel=True), False, "--hybrid-context-parallel"),
-        (dict(multi_latent_attention=True), False, "--multi-latent-attention"),
+        (
+            dict(
+                multi_latent_attention=True,
+                recompute_granularity="selective",
+                recompute_modules=["mla_up_proj"],
+            ),
+            False,
+            "--recompute-modules mla_up_proj",
+        ),
         (dict(sequence_parallel=True), False, "--sequence-parallel"),
         (dict(recompute_granularity="selective", recompute_modules=["mlp"]), True, "bias-linear"),
         (dict(cuda_graph_impl="transformer_engine"), True, "--cuda-graph-impl"),

@@ -1,6 +1,7 @@
 """The cost model of the trained model: read from megatron's TransformerConfig and from its parsed
-arguments (the same shape either way), changed the right way by model size, TP, MoE, MTP and a
-hybrid layer pattern; what ``pretrain_gpt`` and ``DCPConfig.for_model`` plan with by default, with
+arguments (the same shape either way), changed the right way by model size, TP, MoE, MTP, a
+hybrid layer pattern, multi-latent attention and Gated DeltaNet layers; what ``pretrain_gpt``
+and ``DCPConfig.for_model`` plan with by default, with
 ``--dcp-cost-profile`` and ``--dcp-hardware-profile``; the measured link bandwidths
 (``--dcp-link-bandwidth``, ``--dcp-inter-node-link-bandwidth``) in the comm term and the node
 layout's factors, and their refusals; the three flags; the ``[DCP]`` log line's
@@ -152,6 +153,101 @@ def test_a_hybrid_pattern_sets_the_layer_counts():
     assert hybrid.quadratic == pytest.approx(cost(transformer_config()).quadratic / 4)
     with pytest.raises(ValueError, match="unknown layer symbols"):
         model_shape_of(transformer_config(), hybrid_pattern="M?M")
+
+
+MLA = dict(q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=24)
+
+
+def mla_config(**fields):
+    from megatron.core.transformer import MLATransformerConfig
+
+    return MLATransformerConfig(**{**SMALL, "use_cpu_initialization": True, **MLA, **fields})
+
+
+def test_multi_latent_attention_prices_its_own_projections_and_padded_values():
+    shape = model_shape_of(mla_config(), 1000)
+    heads, hidden, qk = 8, 256, 16 + 8
+    assert (shape.head_dim, shape.query_dim, shape.kv_dim) == (qk, heads * qk, heads * qk)
+    assert replace(shape, num_query_groups=2).kv_dim == heads * qk  # every head has its K and V
+    # Up-projections and output sharded by heads; the down-projections whole on every TP rank.
+    sharded = 2.0 * (48 * heads * qk + 32 * heads * (16 + 24) + heads * 24 * hidden)
+    assert shape.attention_flops() == pytest.approx(sharded)
+    assert shape.replicated_attention_flops() == pytest.approx(2.0 * hidden * (48 + 32 + 8))
+    two = model_shape_of(mla_config(tensor_model_parallel_size=2), 1000)
+    replicated = 3.0 * 4 * shape.replicated_attention_flops()
+    assert two.linear_flops() - replicated == pytest.approx((shape.linear_flops() - replicated) / 2)
+    # The L² core and the ring move K and the value padded to the query/key head size.
+    standard = cost(transformer_config(kv_channels=qk))
+    assert cost(mla_config()).quadratic == pytest.approx(standard.quadratic)
+    assert cost(mla_config()).comm == pytest.approx(standard.comm)
+    full_rank_query = model_shape_of(mla_config(q_lora_rank=None), 1000)
+    assert full_rank_query.replicated_attention_flops() == pytest.approx(2.0 * hidden * (32 + 8))
+
+
+def test_gated_delta_net_layers_are_linear_and_leave_the_ring_to_attention():
+    gdn_fields = dict(
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=4,
+        linear_num_key_heads=4,
+        linear_key_head_dim=16,
+        linear_num_value_heads=8,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
+    shape = model_shape_of(transformer_config(**gdn_fields), 1000)
+    assert (shape.gdn_layers, shape.num_attention_layers, shape.num_mlp_layers) == (3, 1, 4)
+    hidden, qk, v = 256, 4 * 16, 8 * 16
+    mixer = 2.0 * hidden * (2 * qk + 2 * v + 2 * 8) + 2.0 * (2 * qk + v) * 4
+    mixer += 8.0 * 8 * 16 * 16 + 2.0 * v * hidden
+    assert shape.gated_delta_net.flops(hidden) == pytest.approx(mixer)
+    # Three of the four layers trade their attention projections for a mixer (training: ×3).
+    dense_shape = model_shape_of(transformer_config(), 1000)
+    swapped = 3 * 3.0 * (mixer - dense_shape.attention_flops())
+    assert shape.linear_flops() - dense_shape.linear_flops() == pytest.approx(swapped)
+    dense, gdn = cost(transformer_config()), cost(transformer_config(**gdn_fields))
+    assert gdn.quadratic == pytest.approx(dense.quadratic / 4)  # one attention layer in four
+    assert gdn.comm == pytest.approx(dense.comm / 4) and gdn.ring_step == dense.ring_step / 4
+    listed = transformer_config(**{**gdn_fields, "linear_attention_freq": [1, 0, 1, 0]})
+    listed = model_shape_of(listed)
+    assert (listed.gdn_layers, listed.num_attention_layers) == (2, 2)
+    hybrid = model_shape_of(transformer_config(), hybrid_pattern="G*G-")
+    assert (hybrid.gdn_layers, hybrid.mamba_layers, hybrid.num_attention_layers) == (2, 0, 1)
+
+
+def test_mla_and_gdn_flags_give_the_transformer_configs_shape(pretrain_gpt):
+    from megatron.training.arguments import add_megatron_arguments
+
+    def parsed(*flags: str) -> Namespace:
+        parser = add_megatron_arguments(ArgumentParser(allow_abbrev=False))
+        return parser.parse_args([*size_flags(SMALL), "--vocab-size", "1000", *flags])
+
+    mla_flags = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32"]
+    mla_flags += ["--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "24"]
+    assert model_shape_from_args(parsed(*mla_flags)) == model_shape_of(mla_config(), 1000)
+    gdn_flags = ["--experimental-attention-variant", "gated_delta_net"]
+    gdn_flags += ["--linear-attention-freq", "2", "--linear-num-key-heads", "4"]
+    args = parsed(*gdn_flags)
+    config = transformer_config(
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=2,
+        linear_num_key_heads=4,
+    )
+    assert model_shape_from_args(args) == model_shape_of(config, 1000)
+    assert model_shape_from_args(args).gdn_layers == 2
+
+
+def test_a_gpu_plans_with_the_fixed_costs_measured_in_eager_execution():
+    from megatron_dcp.integration.model_cost import default_hardware_name
+
+    assert default_hardware_name(on_cpu=False) == "h100-eager"
+    assert default_hardware_name(on_cpu=True) == "cpu-gloo"
+    config = transformer_config()
+    prior, eager = cost(config, "h100-nvlink"), cost(config, "h100-eager")
+    assert eager.microbatch == pytest.approx(40 * prior.microbatch)
+    assert eager.ring_step == pytest.approx(10 * prior.ring_step)
+    assert (eager.linear, eager.quadratic, eager.comm) == (prior.linear, prior.quadratic, prior.comm)
+    bandwidth, latency = HARDWARE_PROFILES["h100-eager"].inter_node_factors()
+    assert bandwidth == 9 and 1 < latency < 1.2  # a ring across nodes is never cheaper
 
 
 def test_pretrain_gpt_plans_with_the_trained_models_coefficients(pretrain_gpt):

@@ -91,7 +91,10 @@ def refusal(entry: str, flags: dict, capfd) -> str:
 
 REFUSED_GPT = [
     ({**EXPERTS, "--moe-grouped-gemm": True}, "--moe-grouped-gemm on the CPU backend"),
-    ({"--multi-latent-attention": True}, "--multi-latent-attention on the CPU backend"),
+    (
+        {"--multi-latent-attention": True, "--qk-layernorm": True},
+        "--qk-layernorm with --multi-latent-attention and no --q-lora-rank on the CPU backend",
+    ),
     # DCP's own refusal comes first: on a GPU these layers build, and DCP refuses them there too.
     ({"--experimental-attention-variant": "dsa"}, "--dynamic-context-parallel with --experimen"),
     ({**GDN, "--swiglu": False}, "--experimental-attention-variant gated_delta_net needs --swig"),
@@ -155,7 +158,8 @@ def test_heterogeneous_layers_with_experts_are_refused(heterogeneous, capfd):
 
 def test_gpu_local_implementation_refuses_mtp_with_the_te_fix():
     """On a GPU with --transformer-impl local, the fix offered is Transformer Engine, and MTP is
-    refused (megatron builds its layers with DotProductAttention; only the CPU patch swaps it)."""
+    refused (megatron builds its layers with DotProductAttention; only the CPU patch swaps it),
+    and so is MLA with TP > 1 (only the CPU backend corrects its down projection's gradient)."""
     from megatron_dcp.integration.cpu.spec_refusals import check_local_gpt_spec
 
     _, model_config = prepare_entry("pretrain_gpt", TINY_FLAGS)
@@ -164,6 +168,11 @@ def test_gpu_local_implementation_refuses_mtp_with_the_te_fix():
     with pytest.raises(ValueError, match=r"^--mtp-num-layers 1 with --transformer-impl local.*"):
         check_local_gpt_spec(model_config, on_cpu=False)
     model_config.transformer.mtp_num_layers = None
+    model_config.transformer.multi_latent_attention = True  # the TP correction is CPU only
+    model_config.transformer.tensor_model_parallel_size = 2
+    with pytest.raises(ValueError, match=r"^--multi-latent-attention with --tensor-model-paral"):
+        check_local_gpt_spec(model_config, on_cpu=False)
+    model_config.transformer.multi_latent_attention = False
     model_config.transformer.qk_l2_norm = True
     model_config.transformer.use_te_activation_func = True
     with pytest.raises(ValueError, match="use --transformer-impl transformer_engine"):
@@ -268,3 +277,40 @@ def test_hybrid_moe_layers_and_qk_norms_are_built():
     assert classes["decoder.layers.1.self_attention.q_layernorm"] == "LayerNorm"
     assert classes["decoder.layers.1.self_attention.core_attention"] == "ReferenceCoreAttention"
     assert count > plain
+
+
+MLA = {"--multi-latent-attention": True, "--kv-lora-rank": 32, "--qk-head-dim": 16}
+MLA.update({"--qk-pos-emb-head-dim": 8, "--v-head-dim": 12})
+MLA_MODULES = ("linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+
+
+@pytest.mark.parametrize(
+    "flags,query",
+    [
+        ({}, {"linear_q_proj": "ColumnParallelLinear"}),
+        (
+            {"--q-lora-rank": 48, "--qk-layernorm": True, "--normalization": "RMSNorm"},
+            {
+                "linear_q_down_proj": "ColumnParallelLinear",
+                "linear_q_up_proj": "ColumnParallelLinear",
+                "q_layernorm": "RMSNorm",
+                "kv_layernorm": "RMSNorm",
+            },
+        ),
+    ],
+    ids=["direct-query", "low-rank-query-and-norms"],
+)
+def test_multi_latent_attention_is_built_from_local_modules(flags, query):
+    """MLA layers: megatron's MLASelfAttention with its projections (direct or low-rank query,
+    q/kv norms with --qk-layernorm) and the reference core attention; the parameter count is
+    the one testing.model_size computes for MLA's projections."""
+    _, classes = build("pretrain_gpt", {**MLA, **flags})
+    for layer in (0, 1):
+        attention = f"decoder.layers.{layer}.self_attention"
+        assert classes[attention] == "MLASelfAttention"
+        assert classes[f"{attention}.core_attention"] == "ReferenceCoreAttention"
+        for name, kind in {**dict.fromkeys(MLA_MODULES, "ColumnParallelLinear"), **query}.items():
+            expected = "RowParallelLinear" if name == "linear_proj" else kind
+            assert classes[f"{attention}.{name}"] == expected, name
+    if "--qk-layernorm" not in flags:
+        assert classes[f"{ATTENTION}.kv_layernorm"] == "IdentityOp"

@@ -1,7 +1,8 @@
 """``testing.model_size``, the parameter count the functional cases and end-to-end runs check
 megatron's log against: computed from the flags alone, it must equal the count of the model the
 entry point builds, on every rank, in tensor / pipeline / virtual-pipeline / expert layouts, with
-experts, MTP, q/k norms, Mamba and Gated DeltaNet layers; and megatron's log line must be read."""
+experts, MTP, q/k norms, multi-latent attention, Mamba and Gated DeltaNet layers; and megatron's
+log line must be read."""
 
 import pytest
 
@@ -38,6 +39,22 @@ LAYOUTS = {
             "--num-layers-per-virtual-pipeline-stage": 1,
             "--moe-layer-freq": "[1,0,0,1]",
             "--num-layers": 4,
+            "--mtp-num-layers": 1,
+        },
+    ),
+    "tp2, MLA with low-rank queries and q/kv norms, MoE, MTP": (
+        2,
+        {
+            **EXPERTS,
+            "--tensor-model-parallel-size": 2,
+            "--multi-latent-attention": True,
+            "--q-lora-rank": 48,
+            "--kv-lora-rank": 32,
+            "--qk-head-dim": 16,
+            "--qk-pos-emb-head-dim": 8,
+            "--v-head-dim": 12,
+            "--qk-layernorm": True,
+            "--normalization": "RMSNorm",
             "--mtp-num-layers": 1,
         },
     ),

@@ -351,3 +351,44 @@ def test_the_checkpoint_queue_server_does_not_rerun_the_entry_module(tmp_path, m
     new_queue(plain)
     assert marker.read_text() == "ran\n"
     assert sys.modules["__main__"] is main  # put back
+
+
+class MLARecorder:
+    """Stands in for ``MLASelfAttention``: records the CP group, the config's CP size and the
+    ``local_cp_size`` its ``get_query_key_value_tensors`` sees."""
+
+    def __init__(self):
+        self.pg_collection = SimpleNamespace(cp=STATIC, tp="tp")
+        self.config = SimpleNamespace(context_parallel_size=2, kv_lora_rank=32)
+        self.seen = []
+
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, position_ids=None, packed_seq_params=None
+    ):
+        local = getattr(packed_seq_params, "local_cp_size", None)
+        self.seen.append((self.pg_collection.cp, self.config.context_parallel_size, local))
+        if hidden_states == "fail":
+            raise RuntimeError("boom")
+        return "qkv"
+
+
+def test_mla_rope_runs_on_the_micro_batch_group_and_restores_the_static_one():
+    """The MLA entry: for a DCP micro-batch the RoPE group is the micro-batch's, the CP size
+    the config reports is its size, and the assertion sees no local_cp_size (the caller's
+    params keep theirs); static CP unchanged; the static state back after each call, errors too."""
+    from megatron_dcp.integration.patches.mla_attention import mla_qkv_switching
+
+    module = MLARecorder()
+    qkv = mla_qkv_switching(MLARecorder.get_query_key_value_tensors)
+    config, collection = module.config, module.pg_collection
+    params = dcp_params(DYNAMIC, 4)
+    assert qkv(module, "h", None, None, params) == "qkv"  # positional packed_seq_params
+    qkv(module, "h", packed_seq_params=dcp_params(None, 1))
+    qkv(module, "h", packed_seq_params=dcp_params(None, None))
+    assert module.seen == [(DYNAMIC, 4, None), (patches.SOLO_GROUP, 1, None), (STATIC, 2, None)]
+    assert params.local_cp_size == 4 and params.cp_group is DYNAMIC
+    with pytest.raises(RuntimeError, match="boom"):
+        qkv(module, "fail", packed_seq_params=params)
+    assert module.seen[-1] == (DYNAMIC, 4, None)
+    assert module.config is config and config.context_parallel_size == 2
+    assert module.pg_collection is collection and collection.cp is STATIC

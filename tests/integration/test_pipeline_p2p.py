@@ -17,7 +17,7 @@ pytestmark = [
 
 from megatron_dcp.integration.patches import apply_patches  # noqa: E402
 from megatron_dcp.integration.training.forward_step import forward_step  # noqa: E402
-from megatron_dcp.testing.dcp_step import global_loss  # noqa: E402
+from megatron_dcp.integration.training.forward_step import global_loss  # noqa: E402
 from megatron_dcp.testing.gpt import (  # noqa: E402
     ReferenceResult,
     TinyGPTOptions,

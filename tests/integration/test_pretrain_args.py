@@ -162,9 +162,13 @@ def test_attention_only_pattern_has_no_mamba_constraint(pretrain_mamba):
 # 8 key and 16 value heads; the domain (dp 2 × cp 4) has groups of 1-8.
 GDN = dict(
     experimental_attention_variant="gated_delta_net",
+    linear_attention_freq=2,
     swiglu=True,
     linear_num_key_heads=8,
     linear_num_value_heads=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
 )
 
 

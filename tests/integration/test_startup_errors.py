@@ -140,7 +140,7 @@ def start_with(pretrain_gpt, *flags: str) -> int:
             "invalid choice: 'defualt_dynamic_cp' (choose from 'default_dynamic_cp', "
             "'dp_balanced'); did you mean 'default_dynamic_cp'?",
         ),
-        (["--dcp-hardware-profile", "h100"], "did you mean 'h100-nvlink'?"),
+        (["--dcp-hardware-profile", "h100-nvlnk"], "did you mean 'h100-nvlink'?"),
         (["--dcp-prefetch", "yes"], "invalid choice: 'yes' (choose from 'on', 'off')"),
         (
             ["--sequence-packing-schedular", "dp_balanced"],
@@ -163,7 +163,7 @@ def test_b_a_typo_is_one_error_line_after_the_dcp_flags_usage(pretrain_gpt, caps
 def test_b_only_rank_0_prints_a_typo(pretrain_gpt, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr("megatron_dcp.integration.training.startup_errors.RANK0_GRACE_S", 0.0)
-    assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100") == 2
+    assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100-nvlnk") == 2
     assert capsys.readouterr() == ("", "")
 
 
@@ -183,7 +183,7 @@ def test_b_each_nodes_first_worker_gives_torchrun_the_error_line(
     for rank, local_rank in (("1", "1"), ("2", "0"), ("0", "0")):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-        assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100") == 2
+        assert start_with(pretrain_gpt, "--dcp-hardware-profile", "h100-nvlnk") == 2
         written[rank] = error_file.exists() and error_file.read_text()
         error_file.unlink(missing_ok=True)
     assert written["1"] is False and written["0"] and written["2"]

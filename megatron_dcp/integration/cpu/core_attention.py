@@ -35,8 +35,9 @@ class ReferenceCoreAttention(MegatronModule):
     """Causal core attention for sbhd and packed THD input, with static or per-micro-batch CP.
 
     Input ``query`` ``[s, b, h, d]`` (sbhd) or ``[t, h, d]`` (THD, megatron squeezes the batch
-    dimension); ``key`` / ``value`` with ``num_query_groups`` heads (GQA). Output ``[s, b, h*d]``
-    or ``[t, h*d]``, like ``DotProductAttention``. No dropout, no attention bias, no sliding window.
+    dimension); ``key`` / ``value`` with ``num_query_groups`` heads (GQA); V may have another
+    head dimension than Q and K (multi-latent attention). Output ``[s, b, h*d_v]`` or
+    ``[t, h*d_v]``, like ``DotProductAttention``. No dropout, no attention bias, no sliding window.
     """
 
     def __init__(
@@ -49,6 +50,8 @@ class ReferenceCoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ) -> None:
         super().__init__(config=config)
         _check_supported(config, attn_mask_type, attention_dropout)
@@ -59,9 +62,11 @@ class ReferenceCoreAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
         # Layer scaling divides the scores by layer_number and the softmax multiplies it back:
-        # the net scale is the plain one.
+        # the net scale is the plain one. MLA passes its own scale and head dimensions (Q/K:
+        # k_channels, V: v_channels); the computation takes them from the tensors it is given.
+        head_dim = k_channels if k_channels is not None else config.kv_channels
         self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         )
 
     def forward(

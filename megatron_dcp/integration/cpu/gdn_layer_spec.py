@@ -61,6 +61,7 @@ def local_gdn_layer_specs(config: Any) -> List[ModuleSpec]:
     """Every decoder layer's spec, in order (before the pipeline split)."""
     kwargs = dict(
         qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
         normalization=config.normalization,
         qk_l2_norm=config.qk_l2_norm,
     )

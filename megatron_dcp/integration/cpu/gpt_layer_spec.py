@@ -70,6 +70,7 @@ def local_transformer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
     else:
         spec = get_gpt_layer_local_spec(
             qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
             normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm,
         )

@@ -60,6 +60,13 @@ def check_local_gpt_spec(model_config: Any, on_cpu: bool) -> None:
     check_buildable(config, on_cpu)
     if isinstance(config, HeterogeneousTransformerConfig):
         check_heterogeneous(config)
+    if not on_cpu and config.multi_latent_attention and config.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"--multi-latent-attention with --tensor-model-parallel-size "
+            f"{config.tensor_model_parallel_size} {where}: megatron-core 0.19.2's local MLA "
+            "spec drops the other TP ranks' share of the k_pos_emb gradient (only the CPU "
+            f"backend corrects it, patch mla_local_kv_down_projection); {fix}."
+        )
     if not on_cpu and config.mtp_num_layers:
         raise ValueError(
             f"--mtp-num-layers {config.mtp_num_layers} {where}: megatron builds the MTP layers "
@@ -171,10 +178,14 @@ def check_attention(config: Any, where: str, fix: str) -> None:
             f"it from Transformer Engine modules only (only {GDN_VARIANT} has local modules "
             f"here); {fix}."
         )
-    if config.multi_latent_attention:
+    low_rank_query = getattr(config, "q_lora_rank", None) is not None
+    if config.multi_latent_attention and config.qk_layernorm and not low_rank_query:
         raise ValueError(
-            f"--multi-latent-attention {where}: the reference core attention has no multi-latent "
-            f"attention (MLA's own head dimensions); {fix} (DCP refuses MLA on every backend)."
+            f"--qk-layernorm with --multi-latent-attention and no --q-lora-rank {where}: "
+            "megatron-core 0.19.2 builds that query norm only fused into linear_q_proj "
+            "(Transformer Engine's LayerNormColumnParallelLinear), and its local MLA spec "
+            f"cannot; set --q-lora-rank (the query norm then normalises the compressed query), "
+            f"drop --qk-layernorm, or {fix}."
         )
     kitchen_attention = getattr(config, "use_kitchen_attention", False)
     if getattr(config, "use_kitchen", False) or kitchen_attention:

@@ -2,11 +2,12 @@
 
 Groups, applied by the functions below (each idempotent; each entry restorable):
 
-- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, Gated DeltaNet,
-  MoE router, TE attention), the MTP loss weighted by global token counts, and the timer of
-  megatron's backward steps;
+- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MLA, MTP, Mamba, Gated
+  DeltaNet, MoE router, TE attention), the MTP loss weighted by global token counts, and the
+  timer of megatron's backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
-- ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
+- ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG, MLA's local
+  down projection under TP);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
 - ``training``: Python 3.11 support for megatron.training and the DCP schedule hook;
 - ``upstream``: megatron-core dev's dynamic-CP names on 0.19.x, where they are missing
@@ -47,6 +48,8 @@ from megatron_dcp.integration.patches.dev_api import UPSTREAM_PATCHES
 from megatron_dcp.integration.patches.gdn_switching import GDN_PATCHES
 from megatron_dcp.integration.patches.gloo_pipeline import PIPELINE_PATCHES
 from megatron_dcp.integration.patches.megatron_training import TRAINING_PATCHES, use_schedule
+from megatron_dcp.integration.patches.mla_attention import MLA_PATCHES
+from megatron_dcp.integration.patches.mla_tensor_parallel import MLA_TP_PATCHES
 from megatron_dcp.integration.patches.mtp_loss import MTP_PATCHES
 from megatron_dcp.integration.patches.table import (
     Entry,
@@ -60,8 +63,10 @@ from megatron_dcp.integration.patches.table import (
 PATCHES: Tuple[Entry, ...] = (
     *TRAINING_PATCHES,
     *CPU_BACKEND_PATCHES,
+    *MLA_TP_PATCHES,
     *CPU_TRAINING_PATCHES,
     *DCP_PATCHES,
+    *MLA_PATCHES,
     *GDN_PATCHES,
     *MTP_PATCHES,
     *TIMING_PATCHES,

@@ -205,7 +205,7 @@ class EntryParser:
 
 
 def nearest(typed: str, options: Sequence[str]) -> Optional[str]:
-    """The one option ``typed`` begins (``h100`` -> ``h100-nvlink``), else the closest one by
+    """The one option ``typed`` begins (``cpu`` -> ``cpu-gloo``), else the closest one by
     difflib's ratio (at least 0.6: a typo, not another word), else None."""
     starting = [option for option in options if option.lower().startswith(typed.lower())]
     if typed and len(starting) == 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 from megatron_dcp.integration.model_cost import predicted_step_time
 from megatron_dcp.scheduling import CostModel, Plan
@@ -64,16 +64,18 @@ class ArmPlan:
 
 class ArmRotation(Scheduler):
     """Plans with the arm whose turn it is (see the module docstring). ``record`` receives each
-    batch's :class:`ArmPlan` of every arm when the batch is first planned."""
+    batch's :class:`ArmPlan` of every arm when the batch is first planned; ``schedulers`` maps
+    an arm's name to its scheduler class (default :data:`ARMS`)."""
 
     def __init__(
         self,
         arms: Sequence[str],
         record: Callable[[int, List[ArmPlan]], None],
+        schedulers: Mapping[str, Callable[..., Scheduler]] = ARMS,
         **scheduler_kwargs,
     ) -> None:
         self.arms = tuple(arms)
-        self.schedulers = {name: ARMS[name](**scheduler_kwargs) for name in self.arms}
+        self.schedulers = {name: schedulers[name](**scheduler_kwargs) for name in self.arms}
         super().__init__(**scheduler_kwargs)
         self.record, self.calls = record, 0
         self.plans: Dict[str, Plan] = {}

@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.arms import arm_at
 
@@ -121,13 +121,13 @@ class DigestingIterator:
         return item
 
 
-def bench_schedule_class(spec: BenchSpec) -> type:
-    """The DCP schedule of a benchmark run (built after megatron is importable)."""
+def bench_schedule_class(spec: BenchSpec, schedulers: Optional[Mapping[str, Any]] = None) -> type:
+    """The DCP schedule of a benchmark run, the arms planned by ``schedulers`` (``arms.ARMS``)."""
     import torch.distributed as dist
 
     from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
     from megatron_dcp.scheduling.cost_fit import CostProfile, save_profile
-    from megatron_dcp.tools.bench_train.arms import ArmRotation, as_record
+    from megatron_dcp.tools.bench_train.arms import ARMS, ArmRotation, as_record
 
     class BenchSchedule(DCPSchedule):
         """:class:`DCPSchedule` with the arms' scheduler and the digesting data iterator."""
@@ -147,7 +147,7 @@ def bench_schedule_class(spec: BenchSpec) -> type:
                 save_profile(str(Path(spec.out) / PRIOR_FILE), CostProfile(base.cost_model, source))
             wrapper.scheduler = ArmRotation(
                 spec.arms,
-                record=self.record_plans,
+                record=self.record_plans, schedulers=schedulers or ARMS,  # fmt: skip
                 dp_size=base.domain.dp_size,
                 cp_size=base.domain.cp_size,
                 max_seqlen_per_dp_cp_rank=base.domain.max_seqlen_per_dp_cp_rank,

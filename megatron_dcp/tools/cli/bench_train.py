@@ -201,8 +201,11 @@ def run_bench(
     arms: Sequence[str],
     extra: Sequence[str],
     link: Optional[LinkSpec] = None,
+    worker: str = WORKER_ENTRY,
+    timeout_s: float = 3600.0,
 ) -> BenchResult:
-    """One training run of every arm (under the shaped ``link`` if any); its results, checked
+    """One training run of every arm (under the shaped ``link`` if any) by the ``worker``
+    module (``megatron_dcp.<worker>``: bench-train's, or one built on it); its results, checked
     for fairness."""
     from megatron_dcp.tools.launcher import run_pretrain
     from megatron_dcp.tools.link.launch import run_linked
@@ -228,10 +231,10 @@ def run_bench(
     try:
         if link is None:
             log = run_pretrain(
-                flags, args.nproc, args.out / "train.log", timeout_s=3600.0, entry=WORKER_ENTRY
+                flags, args.nproc, args.out / "train.log", timeout_s=timeout_s, entry=worker
             )
         else:
-            log, figures = run_linked(flags, link, WORKER_ENTRY, timeout_s=3600.0)
+            log, figures = run_linked(flags, link, worker, timeout_s=timeout_s)
     finally:
         del os.environ[SPEC_VARIABLE]
     print(f"bench-train: done in {time.perf_counter() - start:.0f} s", flush=True)

@@ -1,0 +1,135 @@
+"""One layout of ``megatron-dcp check``: a ``bench-train`` run (``cli.bench_train.run_bench``, the
+launcher bench-train uses) of the check's arms by the check's worker, and what it found: the
+CP sizes every arm planned, the loss and gradient differences of every batch, the step times."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from megatron_dcp.tools.bench_train.results import BenchResult, read_plans
+from megatron_dcp.tools.check.reordered import CHECK_ARMS, REORDERED
+from megatron_dcp.tools.check.tolerance import Difference
+
+WORKER = "tools.check.gradient_worker"
+RANKS_DIR = "check"  # the workers' findings, rank<r>.jsonl
+BATCHES, WARMUP = 3, 1  # the smoke figure compares the last two
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout of one check run: pipeline stages × a DP 1 × CP ``cp`` domain."""
+
+    pp: int
+    cp: int
+
+    @property
+    def nproc(self) -> int:
+        return self.pp * self.cp
+
+    def flags(self) -> List[str]:
+        pp, cp = str(self.pp), str(self.cp)
+        return ["--pipeline-model-parallel-size", pp, "--context-parallel-size", cp]
+
+    def __str__(self) -> str:
+        return f"pp{self.pp}·cp{self.cp}" if self.pp > 1 else f"cp{self.cp}"
+
+
+@dataclass
+class LayoutResult:
+    """What one layout's run found (``error``: why it did not finish)."""
+
+    layout: Layout
+    cp_sizes: Dict[str, List[List[int]]] = field(default_factory=dict)  # arm -> sizes per batch
+    loss: List[Difference] = field(default_factory=list)
+    gradients: List[Difference] = field(default_factory=list)
+    tokens: Dict[str, List[int]] = field(default_factory=dict)  # arm -> tokens per batch
+    speed: Optional[Dict[str, float]] = None
+    error: Optional[str] = None
+    training_flags: List[str] = field(default_factory=list)  # what the workers were started with
+
+    def mixes(self) -> bool:
+        """DCP planned at least one batch on two or more CP sizes."""
+        return any(len(sizes) > 1 for sizes in self.cp_sizes.get("dcp", []))
+
+    def static_sizes(self) -> List[int]:
+        arms = ("static", REORDERED)
+        return sorted({s for arm in arms for batch in self.cp_sizes.get(arm, []) for s in batch})
+
+
+def layouts_for(nproc: int) -> List[Layout]:
+    """The DCP domain of every rank, and with 4 or more ranks (an even count) also two pipeline
+    stages over half of them: the smallest domain with a mix of CP sizes has 2 ranks (groups of
+    1 beside groups of 2), so a pipeline layout needs 4."""
+    layouts = [Layout(1, nproc)]
+    if nproc >= 4 and nproc % 2 == 0:
+        layouts.append(Layout(2, nproc // 2))
+    return layouts
+
+
+def run_layout(layout: Layout, flags: Sequence[str], out: Path, timeout_s: float) -> LayoutResult:
+    """Run the check's arms on ``layout`` with the training ``flags``; raises TrainingRunError
+    when training fails."""
+    from megatron_dcp.tools.cli.bench_train import run_bench
+
+    options = argparse.Namespace(out=out, nproc=layout.nproc, batches=BATCHES, warmup=WARMUP)
+    options.entry = "pretrain_gpt"
+    (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    for stale in (out / RANKS_DIR).glob("rank*.jsonl"):
+        stale.unlink()
+    bench = run_bench(
+        options, CHECK_ARMS, [*flags, *layout.flags()], worker=WORKER, timeout_s=timeout_s
+    )
+    return read_result(layout, out, bench)
+
+
+def read_result(layout: Layout, out: Path, bench: BenchResult) -> LayoutResult:
+    result = LayoutResult(layout, speed=speed_of(bench), training_flags=list(bench.flags))
+    plans = read_plans(out)
+    for arm in CHECK_ARMS:
+        result.cp_sizes[arm] = [sorted(map(int, plans[b][arm]["cp_sizes"])) for b in sorted(plans)]
+    for path in sorted((out / RANKS_DIR).glob("rank*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        for record in records:
+            add_record(result, path.stem, record, first_rank=path.stem == "rank0")
+    return result
+
+
+def add_record(result: LayoutResult, rank: str, record: dict, first_rank: bool) -> None:
+    """One rank's line of one batch: its gradient differences; from rank 0 also the loss."""
+    batch = record["batch"]
+    for name, magnitude, noise, difference in record["tensors"]:
+        where = f"batch {batch} {rank} {name}"
+        result.gradients.append(Difference(where, magnitude, noise, difference))
+    if not first_rank:
+        return
+    loss = record["loss"]
+    for arm, (_, tokens) in loss.items():
+        result.tokens.setdefault(arm, []).append(int(tokens))
+    static = loss["static"][0]
+    result.loss.append(
+        Difference(
+            f"batch {batch} loss",
+            abs(static),
+            abs(loss[REORDERED][0] - static),
+            abs(loss["dcp"][0] - static),
+        )
+    )
+
+
+def speed_of(bench: BenchResult) -> Dict[str, float]:
+    """The smoke figure: DCP's and static CP's median step time, DCP's paired speedup and its
+    tokens per second, over the batches after the warm-up."""
+    static, dcp = bench.summaries["static"], bench.summaries["dcp"]
+    return {
+        "static_step_ms": static.step_ms.value,
+        "dcp_step_ms": dcp.step_ms.value,
+        "dcp_speedup": dcp.speedup.value if dcp.speedup else 1.0,
+        "dcp_tokens_per_s": dcp.tokens_per_s,
+        "static_tokens_per_s": static.tokens_per_s,
+        "batches": float(BATCHES - WARMUP),
+        "oversubscribed": float(bench.oversubscribed),
+    }
