@@ -45,7 +45,7 @@ HUBER: Optional[float] = None
 FREE_SCALE = True
 HALF_LIFE: Optional[float] = 10.0
 NOISE_SCALED = True
-NOISE_START, NOISE_FLOOR = 0.1, 0.01
+NOISE_START, NOISE_FLOOR = 0.1, 1e-4
 # Coordinate-descent sweeps of the bounded least squares (a fixed count: the same floats on
 # every rank).
 SWEEPS = 200
@@ -84,17 +84,50 @@ def rank_features(
     plan: Plan, nodes: Optional[NodeLayout] = None, spill_elements: float = math.inf
 ) -> List[Vector]:
     """Per position of the domain, the features of everything it runs in ``plan`` (over the
-    node layout ``nodes``, with the cache size ``spill_elements``: see :func:`group_features`)."""
-    rows = [[0.0] * len(FEATURES) for _ in range(plan.domain.size)]
+    node layout ``nodes``, with the cache size ``spill_elements``: see :func:`group_features`):
+    the sum of its :func:`microbatch_features` (the same floats, added in micro-batch order)."""
+    totals = []
+    for rows in microbatch_features(plan, nodes, spill_elements):
+        total = [0.0] * len(FEATURES)
+        for row in rows:
+            total = [x + y for x, y in zip(total, row)]
+        totals.append(total)
+    return totals
+
+
+def microbatch_features(
+    plan: Plan, nodes: Optional[NodeLayout] = None, spill_elements: float = math.inf
+) -> List[List[Vector]]:
+    """Per position, per micro-batch of ``plan``: the features of what the position runs in that
+    micro-batch, its micro-batch count 1 (a position no group of a micro-batch holds runs it
+    empty: only the count)."""
+    rows = [[] for _ in range(plan.domain.size)]  # type: List[List[Vector]]
     for microbatch in plan.microbatches:
+        for row in rows:
+            row.append([0.0] * len(FEATURES))
         for group in microbatch.groups:
             lengths = [plan.seqlens[i] for i in group.sample_ids]
             values = group_features(lengths, group.size, nodes, spill_elements)
             for rank in group.ranks:
-                rows[rank] = [x + y for x, y in zip(rows[rank], values)]
+                rows[rank][-1] = list(values)
         for row in rows:
-            row[MICROBATCH] += 1.0
+            row[-1][MICROBATCH] += 1.0
     return rows
+
+
+def microbatch_points(
+    features: Sequence[Sequence[Vector]], times: Sequence[Sequence[float]]
+) -> Tuple[List[Vector], Vector]:
+    """The refinement's points of one step timed per micro-batch: ``features`` and ``times``
+    both per position, per micro-batch (:func:`microbatch_features`, the measured seconds),
+    flattened position by position."""
+    if [len(f) for f in features] != [len(t) for t in times]:
+        raise ValueError(
+            f"per-micro-batch times of shape {[len(t) for t in times]} do not match the plan's "
+            f"{[len(f) for f in features]} (positions × micro-batches)"
+        )
+    rows = [row for position in features for row in position]
+    return rows, [t for position in times for t in position]
 
 
 def coefficients(cost: CostModel) -> Vector:
@@ -350,9 +383,12 @@ def _weighted_ridge(
     free_scale: bool,
     start: Vector,
 ) -> Vector:
-    """One pass of :func:`bounded_ridge` with fixed point weights: :data:`SWEEPS` sweeps of exact
-    coordinate minimisation (each factor clipped to its bounds, then the free scale ``s`` set to
-    the mean of ``f_j / anchor_j``, its exact minimiser)."""
+    """One pass of :func:`bounded_ridge` with fixed point weights: from the minimiser without
+    bounds (:func:`unbounded_ridge`) clipped to them (else from ``start``), :data:`SWEEPS` sweeps
+    of exact coordinate minimisation (each factor clipped to its bounds, then the free scale ``s``
+    set to the mean of ``f_j / anchor_j``, its exact minimiser). The sweeps alone converge slowly
+    where features are nearly collinear (per-micro-batch points: micro-batch count, ring steps
+    and K/V tokens); inside the bounds the start is already the minimiser."""
     width = len(anchor)
     gram = [
         [sum(w * z[i] * z[j] for z, w in zip(points, weights)) for j in range(width)]
@@ -361,6 +397,10 @@ def _weighted_ridge(
     rhs = [sum(w * z[i] for z, w in zip(points, weights)) for i in range(width)]
     low, high = bounds
     f, scale = list(start), 1.0
+    optimum = unbounded_ridge(gram, rhs, anchor, weight, free_scale)
+    if optimum is not None:
+        f = [min(high * a, max(low * a, x)) for x, a in zip(optimum[0], anchor)]
+        scale = optimum[1]
     for _ in range(SWEEPS):
         for j, a in enumerate(anchor):
             rest = sum(gram[j][k] * f[k] for k in range(width) if k != j)
@@ -369,6 +409,27 @@ def _weighted_ridge(
         if free_scale:
             scale = sum(x / a for x, a in zip(f, anchor)) / width
     return f
+
+
+def unbounded_ridge(
+    gram: Sequence[Vector], rhs: Vector, anchor: Vector, weight: float, free_scale: bool
+) -> Optional[Tuple[Vector, float]]:
+    """``argmin fᵀ·gram·f − 2·rhs·f + weight · Σ_j (f_j / anchor_j − s)²`` without bounds, and
+    its ``s`` (1 unless ``free_scale``): the normal equations, one more unknown for a free
+    ``s`` (whose equation is Σ_j f_j / anchor_j = width · s); None when they are singular."""
+    width = len(anchor)
+    matrix = [
+        [g + (weight / (a * a) if i == j else 0.0) for j, g in enumerate(row)]
+        for i, (row, a) in enumerate(zip(gram, anchor))
+    ]
+    if not free_scale:
+        solution = _solve(matrix, [r + weight / a for r, a in zip(rhs, anchor)])
+        return None if solution is None else (solution, 1.0)
+    for row, a in zip(matrix, anchor):
+        row.append(-weight / a)
+    matrix.append([-1.0 / a for a in anchor] + [float(width)])
+    solution = _solve(matrix, [*rhs, 0.0])
+    return None if solution is None else (solution[:width], solution[width])
 
 
 def _scales(prior: CostModel) -> Vector:
