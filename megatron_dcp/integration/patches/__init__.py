@@ -3,8 +3,8 @@
 Groups, applied by the functions below (each idempotent; each entry restorable):
 
 - ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MTP, Mamba, MoE router, TE
-  attention), the MTP loss weighted by global token counts, and the timer of megatron's
-  backward steps;
+  attention), the MTP loss weighted by global token counts, and the per-micro-batch timer of
+  megatron's forward and backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
@@ -24,7 +24,6 @@ from typing import List, Sequence, Tuple
 from megatron_dcp.integration.cpu.fallback_warnings import ignore_missing_te_apex_warnings
 from megatron_dcp.integration.megatron_dev_api import INSTALL, dynamic_groups_created
 from megatron_dcp.integration.megatron_import import require_megatron_core
-from megatron_dcp.integration.patches.backward_timing import TIMING_PATCHES, timed, timing_backward
 from megatron_dcp.integration.patches.cp_switching import (
     DCP_PATCHES,
     SOLO_GROUP,
@@ -47,6 +46,7 @@ from megatron_dcp.integration.patches.dev_api import UPSTREAM_PATCHES
 from megatron_dcp.integration.patches.gloo_pipeline import PIPELINE_PATCHES
 from megatron_dcp.integration.patches.megatron_training import TRAINING_PATCHES, use_schedule
 from megatron_dcp.integration.patches.mtp_loss import MTP_PATCHES
+from megatron_dcp.integration.patches.step_timing import TIMING_PATCHES, timed, timing_steps
 from megatron_dcp.integration.patches.table import (
     Entry,
     apply,
@@ -175,6 +175,6 @@ __all__ = [
     "switching",
     "te_attention_forward",
     "timed",
-    "timing_backward",
+    "timing_steps",
     "use_schedule",
 ]
