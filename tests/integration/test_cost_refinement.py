@@ -81,9 +81,12 @@ def refining_run(
         thetas.append([x.hex() for x in coefficients(given)])
     refined = schedule.refinement
     schedule.wrapper.groups.destroy()
+    times = schedule.times
     return dict(
         plans=plans,
         thetas=thetas,
+        microbatch_times=times.microbatches if times.per_microbatch else None,
+        points=None if refined is None else len(refined.points[-1]),
         prior=[x.hex() for x in coefficients(config.cost_model)],
         refined=None if refined is None else [x.hex() for x in coefficients(refined.cost)],
         updates=None if refined is None else refined.updates,
@@ -107,7 +110,15 @@ def test_every_rank_refines_to_the_same_floats_and_plans_alike(layout):
     refined = first["thetas"][WARM_UP_STEPS:]
     assert refined[0] != first["prior"], "the first step after the warm-up did not refine"
     assert len({tuple(theta) for theta in refined}) == len(refined)  # refined after every step
+    # Every second of the last step was claimed by a micro-batch, on every rank (schedules
+    # without pipelining and 1F1B): the refinement took one point per position and micro-batch.
+    microbatches = first["plans"][-1].num_microbatches
+    per_position = first["microbatch_times"]
+    assert per_position is not None and len(per_position) == first["plans"][-1].domain.size
+    assert all(len(row) == microbatches and min(row) > 0 for row in per_position)
+    assert first["points"] == len(per_position) * microbatches
     for result in results:
+        assert result["microbatch_times"] == per_position  # gathered: the same floats
         figures = parse_log("\n".join(result["lines"])).dcp
         assert sorted(figures) == list(range(1, STEPS + 1))
         assert all(f.measured_step_ms > 0 and f.predicted_step_ms > 0 for f in figures.values())

@@ -6,8 +6,9 @@ pretrain_mamba, megatron's own loop) with three changes that make its arms compa
 - **One arm per iteration.** The DCP wrapper's scheduler is an :class:`~.arms.ArmRotation`: each
   batch is planned by every arm under the run's cost model and run with the arm whose turn it
   is. Rank 0 writes every batch's plans (``plans.jsonl``, with each position's cost-model
-  features), every step's busy time per position (``times.jsonl``) and the cost model the run
-  starts from (``prior.json``): what ``megatron-dcp replay-refinement`` replays.
+  features, in total and per micro-batch), every step's busy time per position, in total and per
+  micro-batch (``times.jsonl``), and the cost model the run starts from (``prior.json``): what
+  ``megatron-dcp replay-refinement`` replays.
 - **Digests.** Each rank hashes the samples it reads, one digest per global batch read
   (``digests/rank<r>.txt``): the command checks that every arm of a batch saw the same samples.
 
@@ -168,11 +169,18 @@ def bench_schedule_class(spec: BenchSpec) -> type:
                 return [self.digests, *data_iterator[1:]]
             return self.digests
 
-        def refine(self, times: Sequence[float]) -> None:
-            """Record every position's busy forward-backward seconds, then refine as usual."""
+        def refine(self, times: Any) -> None:
+            """Record every position's busy forward-backward seconds (``StepTimes``: the sum,
+            per micro-batch and unclaimed), then refine as usual."""
             if dist.get_rank() == 0:
+                record = {
+                    "call": self.calls,
+                    "times": times.totals,
+                    "microbatch_times": times.microbatches,
+                    "unclaimed": times.unclaimed,
+                }
                 with open(Path(spec.out) / TIMES_FILE, "a") as out:
-                    out.write(json.dumps({"call": self.calls, "times": list(times)}) + "\n")
+                    out.write(json.dumps(record) + "\n")
             super().refine(times)
 
         def record_plans(self, batch: int, figures: Sequence[Any]) -> None:
