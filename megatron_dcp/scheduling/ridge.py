@@ -1,5 +1,5 @@
-"""The solver of the online refinement (:class:`~megatron_dcp.scheduling.cost_fit.OnlineRefinement`):
-bounded ridge least squares of relative errors, pure Python.
+"""The solver of the online refinement (``cost_fit.OnlineRefinement``): bounded ridge least
+squares of relative errors, pure Python.
 
 A point ``z`` is one measured time's features in the refinement's units divided by the time, so
 that ``z · f − 1`` is the relative error of the factors ``f``. The fit minimises
