@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.arms import arm_at
 
@@ -170,25 +170,33 @@ def bench_schedule_class(spec: BenchSpec) -> type:
             return self.digests
 
         def refine(self, times: Any) -> None:
-            """Record every position's busy forward-backward seconds (``StepTimes``: the sum,
-            per micro-batch and unclaimed), then refine as usual."""
+            """Record every position's busy forward-backward seconds, then refine as usual."""
             if dist.get_rank() == 0:
-                record = {
-                    "call": self.calls,
-                    "times": times.totals,
-                    "microbatch_times": times.microbatches,
-                    "unclaimed": times.unclaimed,
-                }
-                with open(Path(spec.out) / TIMES_FILE, "a") as out:
-                    out.write(json.dumps(record) + "\n")
+                append_line(Path(spec.out) / TIMES_FILE, times_record(self.calls, times))
             super().refine(times)
 
         def record_plans(self, batch: int, figures: Sequence[Any]) -> None:
             if dist.get_rank() == 0:
-                with open(Path(spec.out) / PLANS_FILE, "a") as out:
-                    out.write(json.dumps(as_record(batch, figures)) + "\n")
+                append_line(Path(spec.out) / PLANS_FILE, as_record(batch, figures))
 
     return BenchSchedule
+
+
+def times_record(call: int, times: Any) -> Dict[str, Any]:
+    """One line of ``times.jsonl``: a step's ``StepTimes`` (per position: the sum, per
+    micro-batch, and the seconds no micro-batch claimed)."""
+    return {
+        "call": call,
+        "times": times.totals,
+        "microbatch_times": times.microbatches,
+        "unclaimed": times.unclaimed,
+    }
+
+
+def append_line(path: Path, record: Dict[str, Any]) -> None:
+    """Append ``record`` to the JSON-lines file ``path``."""
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 def main() -> None:
