@@ -1,5 +1,5 @@
 """Fitting the cost model to measured times: features, non-negative least squares, online
-refinement (recursive least squares with forgetting) and cost-profile files.
+refinement (a windowed bounded ridge fit, solved in ``ridge``) and cost-profile files.
 
 The cost of a plan is linear in seven coefficients once the CP efficiency η is folded into one
 of them: ``θ = (a, b, b/η, comm, ring_step, microbatch, spill)`` against the :data:`FEATURES` of
