@@ -3,7 +3,8 @@
 stand-in steps and a fake clock (no megatron, no timing noise): every second lands on the
 micro-batch whose forward or backward step spent it, whatever the order; a forward step that
 names no micro-batch leaves its seconds unclaimed; outside a clock the steps are the originals.
-The real schedules (no pipelining, 1F1B) are covered by ``test_cost_refinement.py``."""
+The real schedules (no pipelining, 1F1B, interleaved) are covered by
+``test_cost_refinement.py``."""
 
 import pytest
 
