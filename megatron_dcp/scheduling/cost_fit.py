@@ -1,5 +1,5 @@
 """Fitting the cost model to measured times: features, non-negative least squares, online
-refinement (recursive least squares with forgetting) and cost-profile files.
+refinement (a windowed bounded ridge fit, solved in ``ridge``) and cost-profile files.
 
 The cost of a plan is linear in seven coefficients once the CP efficiency η is folded into one
 of them: ``θ = (a, b, b/η, comm, ring_step, microbatch, spill)`` against the :data:`FEATURES` of
@@ -21,6 +21,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel, spilled_elements
 from megatron_dcp.scheduling.plan import Plan
+from megatron_dcp.scheduling.ridge import (
+    Moments,
+    Vector,
+    bounded_ridge,
+    residual_variance,
+    ridge_of_moments,
+    solve,
+)
 from megatron_dcp.scheduling.topology import NodeLayout
 
 # Steps a refinement ignores at the start: the first iteration of a run pays one-time costs
@@ -45,14 +53,7 @@ HUBER: Optional[float] = None
 FREE_SCALE = True
 HALF_LIFE: Optional[float] = 10.0
 NOISE_SCALED = True
-NOISE_START, NOISE_FLOOR = 0.1, 0.01
-# Coordinate-descent sweeps of the bounded least squares (a fixed count: the same floats on
-# every rank).
-SWEEPS = 200
-# Reweighting passes of the Huber loss (a fixed count: the same floats on every rank).
-HUBER_PASSES = 6
-
-Vector = List[float]
+NOISE_START, NOISE_FLOOR = 0.1, 1e-4
 
 
 def group_features(
@@ -84,17 +85,50 @@ def rank_features(
     plan: Plan, nodes: Optional[NodeLayout] = None, spill_elements: float = math.inf
 ) -> List[Vector]:
     """Per position of the domain, the features of everything it runs in ``plan`` (over the
-    node layout ``nodes``, with the cache size ``spill_elements``: see :func:`group_features`)."""
-    rows = [[0.0] * len(FEATURES) for _ in range(plan.domain.size)]
+    node layout ``nodes``, with the cache size ``spill_elements``: see :func:`group_features`):
+    the sum of its :func:`microbatch_features` (the same floats, added in micro-batch order)."""
+    totals = []
+    for rows in microbatch_features(plan, nodes, spill_elements):
+        total = [0.0] * len(FEATURES)
+        for row in rows:
+            total = [x + y for x, y in zip(total, row)]
+        totals.append(total)
+    return totals
+
+
+def microbatch_features(
+    plan: Plan, nodes: Optional[NodeLayout] = None, spill_elements: float = math.inf
+) -> List[List[Vector]]:
+    """Per position, per micro-batch of ``plan``: the features of what the position runs in that
+    micro-batch, its micro-batch count 1 (a position no group of a micro-batch holds runs it
+    empty: only the count)."""
+    rows = [[] for _ in range(plan.domain.size)]  # type: List[List[Vector]]
     for microbatch in plan.microbatches:
+        for row in rows:
+            row.append([0.0] * len(FEATURES))
         for group in microbatch.groups:
             lengths = [plan.seqlens[i] for i in group.sample_ids]
             values = group_features(lengths, group.size, nodes, spill_elements)
             for rank in group.ranks:
-                rows[rank] = [x + y for x, y in zip(rows[rank], values)]
+                rows[rank][-1] = list(values)
         for row in rows:
-            row[MICROBATCH] += 1.0
+            row[-1][MICROBATCH] += 1.0
     return rows
+
+
+def microbatch_points(
+    features: Sequence[Sequence[Vector]], times: Sequence[Sequence[float]]
+) -> Tuple[List[Vector], Vector]:
+    """The refinement's points of one step timed per micro-batch: ``features`` and ``times``
+    both per position, per micro-batch (:func:`microbatch_features`, the measured seconds),
+    flattened position by position."""
+    if [len(f) for f in features] != [len(t) for t in times]:
+        raise ValueError(
+            f"per-micro-batch times of shape {[len(t) for t in times]} do not match the plan's "
+            f"{[len(f) for f in features]} (positions × micro-batches)"
+        )
+    rows = [row for position in features for row in position]
+    return rows, [t for position in times for t in position]
 
 
 def coefficients(cost: CostModel) -> Vector:
@@ -165,29 +199,13 @@ def _least_squares(rows: Sequence[Sequence[float]], subset: Sequence[int], width
     k = len(subset)
     gram = [[sum(r[i] * r[j] for r in cols) for j in range(k)] for i in range(k)]
     rhs = [sum(r[i] for r in cols) for i in range(k)]
-    solution = _solve(gram, rhs)
+    solution = solve(gram, rhs)
     if solution is None:
         return None
     theta = [0.0] * width
     for j, value, n in zip(subset, solution, norms):
         theta[j] = value / n
     return theta
-
-
-def _solve(matrix: List[List[float]], rhs: List[float]) -> Optional[Vector]:
-    """Gaussian elimination with partial pivoting; None when (nearly) singular."""
-    k = len(rhs)
-    m = [row[:] + [b] for row, b in zip(matrix, rhs)]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-10:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(k):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
-    return [m[i][k] / m[i][i] for i in range(k)]
 
 
 def relative_errors(theta: Sequence[float], rows, times) -> Vector:
@@ -241,6 +259,7 @@ class OnlineRefinement:
         self.factors = [1.0] * len(FEATURES)
         self.anchor = list(self.factors)
         self.points: List[List[Vector]] = []  # per kept step, its points z
+        self.moments: List[Moments] = []  # per kept step, the moments of its points
         self.updates = 0
 
     @property
@@ -253,9 +272,10 @@ class OnlineRefinement:
         return from_coefficients(self.theta, prior.name, prior.nodes, prior.spill_elements)
 
     def update(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> CostModel:
-        """Take one step's observations (features and measured seconds per rank); returns the
-        refined cost model. Points with no time are skipped, and so are the first
-        ``WARM_UP_STEPS`` steps (one-time costs of a run's first iteration)."""
+        """Take one step's observations (features and measured seconds: per position, or per
+        position and micro-batch); returns the refined cost model. Points with no time are
+        skipped, and so are the first ``WARM_UP_STEPS`` steps (one-time costs of a run's first
+        iteration)."""
         self.updates += 1
         if self.updates <= WARM_UP_STEPS:
             return self.cost
@@ -264,29 +284,31 @@ class OnlineRefinement:
         scales = self.scales
         step = [[x * s / t for x, s in zip(row, scales)] for row, t in zip(rows, times) if t > 0]
         self.points = [*self.points, step][-self.window :]
-        points, weights = [z for kept in self.points for z in kept], self.recency_weights()
-        self.factors = bounded_ridge(
-            points,
-            self.anchor,
-            self.prior_weight * (self.variance if self.noise_scaled else 1.0),
-            self.bounds,
-            self.huber,
-            self.free_scale,
-            weights,
-        )
+        self.moments = [*self.moments, Moments.of(step, len(FEATURES))][-self.window :]
+        weight = self.prior_weight * (self.variance if self.noise_scaled else 1.0)
+        steps = self.step_weights()
+        moments = Moments.combine(self.moments, steps)
+        if self.huber:
+            points = [z for kept in self.points for z in kept]
+            weights = [w for w, kept in zip(steps, self.points) for _ in kept]
+            self.factors = bounded_ridge(
+                points, self.anchor, weight, self.bounds, self.huber, self.free_scale, weights
+            )
+        else:
+            self.factors = ridge_of_moments(
+                moments, self.anchor, weight, self.bounds, self.free_scale, list(self.anchor)
+            )
         if self.noise_scaled:
-            self.variance = residual_variance(points, weights, self.factors, self.variance)
+            self.variance = residual_variance(moments, self.factors, self.variance, NOISE_FLOOR)
         return self.cost
 
-    def recency_weights(self) -> Optional[List[float]]:
-        """Each kept point's weight: ``2^(−age / half_life)``, ``age`` its step's steps before the
-        latest (None without a half-life: every point alike)."""
-        if not self.half_life:
-            return None
+    def step_weights(self) -> List[float]:
+        """Each kept step's weight: ``2^(−age / half_life)``, ``age`` its steps before the
+        latest (1 without a half-life: every step alike)."""
         last = len(self.points) - 1
-        return [
-            0.5 ** ((last - k) / self.half_life) for k, kept in enumerate(self.points) for _ in kept
-        ]
+        if not self.half_life:
+            return [1.0] * len(self.points)
+        return [0.5 ** ((last - k) / self.half_life) for k in range(len(self.points))]
 
     def _rescale(self, rows: Sequence[Sequence[float]], times: Sequence[float]) -> None:
         """First step: the anchor is every factor times the median measured / predicted time."""
@@ -297,78 +319,6 @@ class OnlineRefinement:
         if ratios:  # unbounded: a prior may be off by any factor (the H100 profile on CPU)
             scale = ratios[len(ratios) // 2]
             self.factors = self.anchor = [f * scale for f in self.factors]
-
-
-def residual_variance(
-    points: Sequence[Vector], weights: Optional[Sequence[float]], f: Vector, previous: float
-) -> float:
-    """The variance of the relative residuals ``z · f − 1`` (weighted mean of squares, corrected
-    for the fitted factors: × n / (n − factors)), at least ``NOISE_FLOOR²``; ``previous`` while
-    the points are no more than the factors."""
-    n, width = len(points), len(f)
-    if n <= width:
-        return previous
-    w = list(weights) if weights is not None else [1.0] * n
-    mean = sum(wi * (predict(f, z) - 1.0) ** 2 for z, wi in zip(points, w)) / sum(w)
-    return max(NOISE_FLOOR**2, mean * n / (n - width))
-
-
-def bounded_ridge(
-    points: Sequence[Vector],
-    anchor: Vector,
-    weight: float,
-    bounds: Tuple[float, float],
-    huber: Optional[float] = None,
-    free_scale: bool = False,
-    point_weights: Optional[Sequence[float]] = None,
-) -> Vector:
-    """``argmin Σ_p ρ(z_p · f − 1) + weight · Σ_j (f_j / anchor_j − s)²`` over
-    ``bounds[0] ≤ f_j / anchor_j ≤ bounds[1]``: ``ρ`` the square, or Huber's loss with threshold
-    ``huber`` (a point off by more counts linearly: a step slowed by another process moves the fit
-    less); ``s`` 1, or free (``free_scale``: the prior holds the *shape* of the coefficients, not
-    their level, so that a machine that runs uniformly slower or faster costs no penalty).
-    Strictly convex (the weight term); iteratively reweighted: :data:`HUBER_PASSES` passes of
-    :func:`_weighted_ridge` with Huber's weights of the previous residuals. ``point_weights``
-    (default 1) multiply each point's term (the refinement's recency weights)."""
-    f = list(anchor)
-    base = list(point_weights) if point_weights is not None else [1.0] * len(points)
-    weights = base
-    for _ in range(HUBER_PASSES if huber else 1):
-        f = _weighted_ridge(points, weights, anchor, weight, bounds, free_scale, f)
-        if huber:
-            residuals = [abs(predict(f, z) - 1.0) for z in points]
-            weights = [w * (1.0 if r <= huber else huber / r) for w, r in zip(base, residuals)]
-    return f
-
-
-def _weighted_ridge(
-    points: Sequence[Vector],
-    weights: Sequence[float],
-    anchor: Vector,
-    weight: float,
-    bounds: Tuple[float, float],
-    free_scale: bool,
-    start: Vector,
-) -> Vector:
-    """One pass of :func:`bounded_ridge` with fixed point weights: :data:`SWEEPS` sweeps of exact
-    coordinate minimisation (each factor clipped to its bounds, then the free scale ``s`` set to
-    the mean of ``f_j / anchor_j``, its exact minimiser)."""
-    width = len(anchor)
-    gram = [
-        [sum(w * z[i] * z[j] for z, w in zip(points, weights)) for j in range(width)]
-        for i in range(width)
-    ]
-    rhs = [sum(w * z[i] for z, w in zip(points, weights)) for i in range(width)]
-    low, high = bounds
-    f, scale = list(start), 1.0
-    for _ in range(SWEEPS):
-        for j, a in enumerate(anchor):
-            rest = sum(gram[j][k] * f[k] for k in range(width) if k != j)
-            target = (rhs[j] - rest + weight * scale / a) / (gram[j][j] + weight / (a * a))
-            f[j] = min(high * a, max(low * a, target))
-        if free_scale:
-            scale = sum(x / a for x, a in zip(f, anchor)) / width
-    return f
 
 
 def _scales(prior: CostModel) -> Vector:

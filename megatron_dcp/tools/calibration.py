@@ -11,8 +11,12 @@ many sequences of that length in one micro-batch, at most ``--max-tokens`` token
 GPT model from the megatron flags and times forward + backward of each point's micro-batch on its
 DCP group (one warm-up, then the min over ``--repeats`` passes, short points timed several times
 per pass). A seeded share ``--hold-out`` of
-the points (per CP size, ``--seed``) stays out of the fit; the six coefficients of
-:mod:`~megatron_dcp.scheduling.cost_fit` are fitted on the rest (non-negative, relative errors),
+the points (per CP size, ``--seed``) stays out of the fit; the seven coefficients of
+:mod:`~megatron_dcp.scheduling.cost_fit` are fitted on the rest (non-negative, relative errors):
+every point is one micro-batch's time, so the micro-batch cost is the fit's fixed cost per
+point, and the points carry the score cache size of the hardware profile
+(``--dcp-hardware-profile``, default ``cpu-gloo``: :func:`cache_size`), so that the spill term
+is fitted where a point's score block outgrows it;
 the held-out points are predicted by the stored cost model, and the profile (coefficients plus
 how they were measured: backend, ranks, threads, model flags, grid, errors, every point) is
 written with ``save_profile``; training reads it with ``--dcp-cost-profile``.
@@ -27,6 +31,7 @@ micro-batch's forward and backward only (no planning, gradient reduction or opti
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.hardware import DEFAULT_CPU_PROFILE
 from megatron_dcp.scheduling.cost_fit import (
     FEATURES,
     coefficients,
@@ -45,6 +51,7 @@ from megatron_dcp.scheduling.cost_fit import (
 from megatron_dcp.tools.calibration_worker import Point, TimingJob, measure
 from megatron_dcp.tools.launcher import available_cores
 
+SPILL = FEATURES.index("spill")
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 DEFAULT_PACK_SIZES = (1, 2, 4)
 DEFAULT_REPEATS = 3
@@ -52,8 +59,22 @@ DEFAULT_HOLD_OUT = 0.25
 PROG = "megatron-dcp calibrate"
 
 
-def grid(options: argparse.Namespace, seq_length: int) -> List[Point]:
-    """Every CP size × length × pack size with at most ``--max-tokens`` tokens."""
+def cache_size(args: argparse.Namespace) -> Tuple[float, str]:
+    """The spill term's threshold for megatron's model ``args``: the score elements of one
+    sequence's block that stay in cache (``CostModel.spill_elements``: the profile's cache bytes
+    over 4 bytes × heads per rank; inf where the profile has none), and the hardware profile it
+    comes from (``--dcp-hardware-profile``, default ``cpu-gloo``: calibrate runs on CPU)."""
+    from megatron_dcp.integration.model_cost import cost_model_of, model_shape_from_args
+
+    name = getattr(args, "dcp_hardware_profile", None) or DEFAULT_CPU_PROFILE
+    return cost_model_of(model_shape_from_args(args), name).spill_elements, name
+
+
+def grid(
+    options: argparse.Namespace, seq_length: int, spill_elements: float = math.inf
+) -> List[Point]:
+    """Every CP size × length × pack size with at most ``--max-tokens`` tokens, the points
+    carrying the cache size ``spill_elements`` (:func:`cache_size`)."""
     lengths = options.lengths
     if lengths is None:
         lengths = tuple(n for n in DEFAULT_LENGTHS if n <= seq_length) or (seq_length,)
@@ -64,7 +85,7 @@ def grid(options: argparse.Namespace, seq_length: int) -> List[Point]:
         )
     cap = options.max_tokens or seq_length
     return [
-        Point((length,) * count, cp)
+        Point((length,) * count, cp, spill_elements)
         for cp in cp_sizes(options.nproc)
         for length in sorted(lengths)
         for count in sorted(options.pack_sizes)
@@ -123,10 +144,12 @@ class Calibration:
 def fit_points(
     points: Sequence[Point], measured: Sequence[float], held: Sequence[bool]
 ) -> Calibration:
-    """Fit on the points not held out; predictions are the stored model's (η clamped to 1)."""
+    """Fit on the points not held out; predictions are the stored model's (η clamped to 1, its
+    cache size the points')."""
     train = [i for i, h in enumerate(held) if not h]
     theta = fit([points[i].features() for i in train], [measured[i] for i in train])
-    cost = from_coefficients(theta, name="calibrated")
+    spill_elements = points[0].spill_elements if points else math.inf
+    cost = from_coefficients(theta, name="calibrated", spill_elements=spill_elements)
     stored = coefficients(cost)
     predicted = tuple(predict(stored, p.features()) for p in points)
     return Calibration(cost, tuple(points), tuple(measured), predicted, tuple(held))
@@ -140,6 +163,7 @@ def source(
 ) -> Dict[str, Any]:
     """How the profile was measured (the profile's ``source``)."""
     held, train = result.errors(True), result.errors(False)
+    threshold = result.cost.spill_elements
     return {
         "tool": PROG,
         "backend": "gloo",
@@ -157,6 +181,8 @@ def source(
             "hold_out": options.hold_out,
             "seed": args.seed,
         },
+        "spill_elements": None if math.isinf(threshold) else threshold,
+        "spilled_points": sum(1 for p in result.points if p.features()[SPILL] > 0),
         "fit_points": len(train),
         "held_out_points": len(held),
         "held_out_median_error": statistics.median(held),
@@ -191,7 +217,8 @@ def report(result: Calibration) -> List[str]:
         "",
         f"coefficients (seconds): linear {c.linear:.4g}/token, quadratic {c.quadratic:.4g}/token², "
         f"comm {c.comm:.4g}/token, ring_step {c.ring_step:.4g}, cp_efficiency "
-        f"{c.cp_efficiency:.4g}, microbatch {c.microbatch:.4g}",
+        f"{c.cp_efficiency:.4g}, microbatch {c.microbatch:.4g}, spill {c.spill:.4g}/element "
+        f"beyond {c.spill_elements:.4g} per sequence",
     ]
     held, train = result.errors(True), result.errors(False)
     lines.append(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -35,14 +36,19 @@ MAX_TIMINGS_PER_PASS = 8
 
 @dataclass(frozen=True)
 class Point:
-    """One grid point: the sequences one CP group packs in one micro-batch, and its size."""
+    """One grid point: the sequences one CP group packs in one micro-batch, and its size;
+    ``spill_elements`` is the score elements of one sequence's block that stay in cache
+    (``CostModel.spill_elements``, from the hardware profile: the spill term's threshold)."""
 
     lengths: Tuple[int, ...]
     cp_size: int
+    spill_elements: float = math.inf
 
     def features(self) -> Vector:
-        """The cost-fit features of one rank of the group: one micro-batch, these sequences."""
-        row = group_features(self.lengths, self.cp_size)
+        """The cost-fit features of one rank of the group: one micro-batch (its own timing:
+        the micro-batch cost is fitted from per-micro-batch times), these sequences, the
+        score elements beyond the cache."""
+        row = group_features(self.lengths, self.cp_size, spill_elements=self.spill_elements)
         row[MICROBATCH] += 1.0
         return row
 

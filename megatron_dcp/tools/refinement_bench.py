@@ -6,10 +6,13 @@ Here the "real machine" is a *world*: coefficients that differ from the prior's 
 Every step draws a global batch from a reference workload, plans it with ``default_dynamic_cp``
 under the model training would hold then (the model refined after a step plans the batch after
 next, as ``DCPSchedule.refine`` / ``use_cost_model`` do), times every position with the world's
-coefficients (:func:`~megatron_dcp.scheduling.cost_fit.predict` of its
-:func:`~megatron_dcp.scheduling.cost_fit.rank_features`, optionally times seeded multiplicative
-noise) and feeds those times to the refinement. Reported per world and workload: after how many
-steps the refined coefficients stay within 10 % and 2 % of the world's, and after how many the
+coefficients, one time per position and micro-batch as training measures them
+(:func:`~megatron_dcp.scheduling.cost_fit.predict` of its
+:func:`~megatron_dcp.scheduling.cost_fit.microbatch_features`, optionally times seeded
+multiplicative noise; ``--totals``: one time per position, the sum, as training measured before)
+and feeds those times to the refinement. Reported per world and workload: after how many
+steps the refined coefficients stay within 10 % and 2 % of the world's, after how many the
+micro-batch coefficient stays within 10 %, and after how many the
 refined model's plans of a fixed set of held-out batches stay within 1 % of the plans made with
 the world's coefficients (total critical path under the world's model). Pure Python.
 
@@ -29,9 +32,12 @@ from megatron_dcp.scheduling import build_scheduler
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.cost_fit import (
     FEATURES,
+    MICROBATCH,
     OnlineRefinement,
+    Vector,
     coefficients,
     from_coefficients,
+    microbatch_features,
     predict,
     rank_features,
 )
@@ -170,6 +176,7 @@ class Trace:
 
     coefficient_errors: List[float]
     plan_gaps: List[float]
+    microbatch_errors: List[float] = field(default_factory=list)  # |mb / world's mb − 1|
     # After the last step: each coefficient's signed relative error (0 where the truth is 0).
     final_errors: List[float] = field(default_factory=list)
 
@@ -189,25 +196,39 @@ def run(
     microbatches: int = 4,
     seed: int = 0,
     make_refinement: RefinementFactory = OnlineRefinement,
+    per_microbatch: bool = True,
 ) -> Trace:
-    """``steps`` training steps of ``workload`` on ``world`` starting from ``prior``."""
+    """``steps`` training steps of ``workload`` on ``world`` starting from ``prior``, the
+    refinement fed one time per position and micro-batch (``per_microbatch``, as training
+    measures) or per position (the sum)."""
     theta, truth = world.theta(prior), world.cost(prior)
     check = HeldOut.build(workload, truth, held_out, microbatches)
     refinement = make_refinement(prior)
     scheduler, pending = scheduler_of(workload, prior), None
     noise_rng = random.Random(seed)
     trace = Trace([coefficient_error(coefficients(prior), theta)], [check.gap(prior)])
+    trace.microbatch_errors.append(microbatch_error(coefficients(prior), theta))
     for step in range(steps):
         if pending is not None:  # the model given after the step before last
             scheduler.cost_model, pending = pending, None
         plan = scheduler.schedule(batch_of(workload, seed + step, microbatches))
-        rows = rank_features(plan, prior.nodes, prior.spill_elements)
+        if per_microbatch:
+            features = microbatch_features(plan, prior.nodes, prior.spill_elements)
+            rows = [row for position in features for row in position]
+        else:
+            rows = rank_features(plan, prior.nodes, prior.spill_elements)
         times = [predict(theta, row) * (1 + noise * noise_rng.gauss(0, 1)) for row in rows]
         pending = refinement.update(rows, times)
         trace.coefficient_errors.append(coefficient_error(refinement.theta, theta))
+        trace.microbatch_errors.append(microbatch_error(refinement.theta, theta))
         trace.plan_gaps.append(check.gap(refinement.cost))
     trace.final_errors = [g / t - 1 if t > 0 else 0.0 for g, t in zip(refinement.theta, theta)]
     return trace
+
+
+def microbatch_error(theta: Vector, truth: Vector) -> float:
+    """|refined / true − 1| of the micro-batch coefficient."""
+    return abs(theta[MICROBATCH] / truth[MICROBATCH] - 1.0)
 
 
 def steps_to(errors: Sequence[float], tolerance: float) -> Optional[int]:
@@ -228,11 +249,13 @@ def _steps_cell(errors: Sequence[float], tolerance: float) -> str:
 
 def table_row(world: World, workload: Workload, trace: Trace) -> str:
     cells = [_steps_cell(trace.coefficient_errors, t) for t in COEFFICIENT_TOLERANCES]
+    cells.append(_steps_cell(trace.microbatch_errors, COEFFICIENT_TOLERANCES[0]))
     cells.append(_steps_cell(trace.plan_gaps, PLAN_TOLERANCE))
     gaps = trace.plan_gaps
     return (
-        f"{world.name:<15} {workload.name:<12} {cells[0]:>7} {cells[1]:>6} {cells[2]:>9}"
-        f" {100 * gaps[0]:>8.1f}% {100 * max(gaps[-5:]):>8.2f}%  {trace.worst_coefficient()}"
+        f"{world.name:<15} {workload.name:<12} {cells[0]:>7} {cells[1]:>6} {cells[2]:>7}"
+        f" {cells[3]:>9} {100 * gaps[0]:>8.1f}% {100 * max(gaps[-5:]):>8.2f}%"
+        f"  {trace.worst_coefficient()}"
     )
 
 
@@ -246,12 +269,14 @@ def refinement_table(
     hardware: str = "h100-nvlink",
     seed: int = 0,
     make_refinement: RefinementFactory = OnlineRefinement,
+    per_microbatch: bool = True,
 ) -> List[str]:
     """The benchmark's table, one line per (world, workload): steps until the coefficients stay
     within 10 % / 2 % of the world's, steps until the refined plans of the held-out batches stay
     within 1 % of the world's own plans, the prior's plan gap, the worst gap of the last five
     steps and the coefficient furthest from the world's at the end. ``worlds`` empty: all of
-    :data:`WORLDS`; ``make_refinement`` builds the refinement under test from the prior."""
+    :data:`WORLDS`; ``make_refinement`` builds the refinement under test from the prior;
+    ``per_microbatch`` False feeds it per-position totals (:func:`run`)."""
     if steps < 1 or held_out < 1 or microbatches < 1 or noise < 0:
         raise ValueError(
             f"--steps={steps}, --held-out={held_out}, --microbatches={microbatches}, "
@@ -264,7 +289,7 @@ def refinement_table(
             known = ", ".join(sorted(by_name))
             raise ValueError(f"--workload={name!r}: unknown workload; choose one of {known}.")
     prior = default_prior(hardware)
-    lines = _header(prior, steps, noise, held_out, microbatches)
+    lines = _header(prior, steps, noise, held_out, microbatches, per_microbatch)
     for world in chosen:
         for name in workloads:
             trace = run(
@@ -277,18 +302,20 @@ def refinement_table(
                 microbatches=microbatches,
                 seed=seed,
                 make_refinement=make_refinement,
+                per_microbatch=per_microbatch,
             )
             lines.append(table_row(world, by_name[name], trace))
     return lines
 
 
-def _header(prior: CostModel, steps: int, noise: float, held_out: int, microbatches: int):
+def _header(prior: CostModel, steps, noise, held_out, microbatches, per_microbatch):
     theta = ", ".join(f"{n} {t:.3g}" for n, t in zip(FEATURES, coefficients(prior)))
+    timed = "per position and micro-batch" if per_microbatch else "per position (totals)"
     return [
         f"prior {prior.name}: {theta} (seconds)",
-        f"{steps} steps, noise {100 * noise:g} %, {held_out} held-out batches of "
+        f"{steps} steps timed {timed}, noise {100 * noise:g} %, {held_out} held-out batches of "
         f"{microbatches} micro-batches' tokens; steps until the error stays within the tolerance",
-        f"{'world':<15} {'workload':<12} {'θ ≤10%':>7} {'θ ≤2%':>6} {'plans ≤1%':>9}"
+        f"{'world':<15} {'workload':<12} {'θ ≤10%':>7} {'θ ≤2%':>6} {'mb ≤10%':>7} {'plans ≤1%':>9}"
         f" {'prior gap':>9} {'last gap':>9}  worst θ at the end",
     ]
 
@@ -307,6 +334,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--hardware-profile", default="h100-nvlink")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--totals",
+        action="store_true",
+        help="feed one time per position (the step's sum), as training measured before",
+    )
     args = parser.parse_args(argv)
     workloads = args.workload or DEFAULT_WORKLOADS
     try:
@@ -319,6 +351,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.microbatches,
             args.hardware_profile,
             args.seed,
+            per_microbatch=not args.totals,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -1,8 +1,10 @@
 """Offline replay of a ``bench-train`` run's online refinement.
 
 A ``bench-train`` output folder holds what the training run's refinement saw: every step's
-measured busy seconds per position (``times.jsonl``) and every arm's features per position
-(``plans.jsonl``); iteration ``t`` ran the arm :func:`~.bench_train.arms.arm_at` gives. The prior
+measured busy seconds per position, in total and per micro-batch (``times.jsonl``), and every
+arm's features per position, in total and per micro-batch (``plans.jsonl``; runs recorded before
+per-micro-batch timing have the totals only, and are replayed from them); iteration ``t`` ran the
+arm :func:`~.bench_train.arms.arm_at` gives. The prior
 (the cost model iteration 1 planned with) is ``prior.json`` when the run wrote one, else it is
 rebuilt from the run's flags (``bench_train.json``) as ``DCPConfig.from_args`` builds it.
 
@@ -35,6 +37,7 @@ from megatron_dcp.scheduling.cost_fit import (
     OnlineRefinement,
     coefficients,
     load_profile,
+    microbatch_points,
     predict,
 )
 from megatron_dcp.tools.bench_train.arms import arm_at
@@ -57,6 +60,16 @@ class RecordedStep:
     features: List[List[float]]  # per position, ``cost_fit.FEATURES``
     times: List[float]  # per position, measured busy seconds
     logged_s: Optional[float] = None  # the ``[DCP]`` line's prediction, when the log has it
+    # Per position, per micro-batch (None: recorded before per-micro-batch timing, or a step
+    # whose seconds were not all claimed by a micro-batch: training fed the totals then).
+    microbatch_features: Optional[List[List[List[float]]]] = None
+    microbatch_times: Optional[List[List[float]]] = None
+
+    def points(self):
+        """The rows and times the run's refinement was fed for this step."""
+        if self.microbatch_features is None or self.microbatch_times is None:
+            return self.features, self.times
+        return microbatch_points(self.microbatch_features, self.microbatch_times)
 
 
 @dataclass(frozen=True)
@@ -162,9 +175,19 @@ def load_run(
     for line in read(path / TIMES_FILE).splitlines():
         record = json.loads(line)
         batch, arm = arm_at(record["call"], arms)
-        features = plans[batch][arm]["features"]
-        call = record["call"]
-        steps.append(RecordedStep(call, arm, features, record["times"], logged.get(call)))
+        plan, call = plans[batch][arm], record["call"]
+        timed = record.get("microbatch_times") and not any(record.get("unclaimed", [1.0]))
+        steps.append(
+            RecordedStep(
+                call,
+                arm,
+                plan["features"],
+                record["times"],
+                logged.get(call),
+                plan.get("microbatch_features") if timed else None,
+                record["microbatch_times"] if timed else None,
+            )
+        )
     flags = list(result["flags"])
     if link_bandwidth is not None:
         flags += ["--dcp-link-bandwidth", str(link_bandwidth)]
@@ -216,7 +239,7 @@ def replay(run: RecordedRun, variant: Variant = VARIANTS["current"]) -> List[Rep
     for index, step in enumerate(run.steps):
         theta = planned[max(0, index + 1 - PLAN_LAG)]
         predicted = max((predict(theta, row) for row in step.features), default=0.0)
-        refinement.update(step.features, step.times)
+        refinement.update(*step.points())
         planned.append(coefficients(refinement.cost))
         factors, measured = list(refinement.factors), max(step.times)
         at_bound = bound_names(refinement, variant.bounds)

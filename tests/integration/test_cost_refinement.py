@@ -2,12 +2,15 @@
 ``DCPSchedule`` runs several steps of the tiny GPT, gathers the measured forward-backward times,
 refines the cost model after each and plans the next batch with it. Every rank must then hold
 bitwise-identical coefficients and identical plans (a rank planning differently would deadlock or
-mix up samples), for DP×CP, TP (ranks of other DP×CP domains) and PP (other stages) layouts; and
+mix up samples), for DP×CP, TP (ranks of other DP×CP domains), PP (other stages) and VPP layouts;
+every second of a step must be claimed by a micro-batch (the refinement's points are per position
+and micro-batch) in megatron's schedules without pipelining, 1F1B and interleaved; and
 ``cost_adapt=False`` must leave the model's cost model alone."""
 
 import random
+from dataclasses import replace
 from functools import partial
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pytest
 
@@ -51,14 +54,16 @@ def refining_run(
     pp: int = 1,
     cp: int = 2,
     adapt: bool = True,
+    vpp: Optional[int] = None,
 ) -> dict:
     """Train ``steps`` through ``DCPSchedule``; per step, the plan and the coefficients the
     batch after next is planned with; the log lines."""
     from megatron.core import parallel_state
 
-    init_megatron(tp, pp, cp, seed=OPTIONS.seed)
+    options = replace(OPTIONS, num_layers=2 * pp * vpp) if vpp else OPTIONS
+    init_megatron(tp, pp, cp, vpp=vpp, seed=OPTIONS.seed)
     apply_patches()
-    chunks = build_tiny_gpt(tp, pp, cp, options=OPTIONS)
+    chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
     config = DCPConfig.for_model(
         chunks[0].config, BUDGET, vocab_size=OPTIONS.vocab_size, cost_adapt=adapt
     )
@@ -68,10 +73,11 @@ def refining_run(
     share = BATCH // parallel_state.get_data_parallel_world_size()
     plans, thetas = [], []
     for samples in steps:
+        local = samples[dp_rank * share : (dp_rank + 1) * share]
         schedule(
             forward_step_func=forward_step,
-            data_iterator=iter(samples[dp_rank * share : (dp_rank + 1) * share]),
-            model=chunks[0],
+            data_iterator=[iter(local) for _ in chunks] if vpp else iter(local),
+            model=chunks if vpp else chunks[0],
             num_microbatches=share,
             forward_only=False,
         )
@@ -81,9 +87,12 @@ def refining_run(
         thetas.append([x.hex() for x in coefficients(given)])
     refined = schedule.refinement
     schedule.wrapper.groups.destroy()
+    times = schedule.times
     return dict(
         plans=plans,
         thetas=thetas,
+        microbatch_times=times.microbatches if times.per_microbatch else None,
+        points=None if refined is None else len(refined.points[-1]),
         prior=[x.hex() for x in coefficients(config.cost_model)],
         refined=None if refined is None else [x.hex() for x in coefficients(refined.cost)],
         updates=None if refined is None else refined.updates,
@@ -91,7 +100,12 @@ def refining_run(
     )
 
 
-LAYOUTS = {"dp2cp2": dict(cp=2), "tp2cp2": dict(tp=2, cp=2), "pp2cp2": dict(pp=2, cp=2)}
+LAYOUTS = {
+    "dp2cp2": dict(cp=2),
+    "tp2cp2": dict(tp=2, cp=2),
+    "pp2cp2": dict(pp=2, cp=2),
+    "pp2vpp2cp2": dict(pp=2, cp=2, vpp=2),
+}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -107,7 +121,16 @@ def test_every_rank_refines_to_the_same_floats_and_plans_alike(layout):
     refined = first["thetas"][WARM_UP_STEPS:]
     assert refined[0] != first["prior"], "the first step after the warm-up did not refine"
     assert len({tuple(theta) for theta in refined}) == len(refined)  # refined after every step
+    # Every second of the last step was claimed by a micro-batch, on every rank (schedules
+    # without pipelining, 1F1B, interleaved): the refinement took one point per position and
+    # micro-batch.
+    microbatches = first["plans"][-1].num_microbatches
+    per_position = first["microbatch_times"]
+    assert per_position is not None and len(per_position) == first["plans"][-1].domain.size
+    assert all(len(row) == microbatches and min(row) > 0 for row in per_position)
+    assert first["points"] == len(per_position) * microbatches
     for result in results:
+        assert result["microbatch_times"] == per_position  # gathered: the same floats
         figures = parse_log("\n".join(result["lines"])).dcp
         assert sorted(figures) == list(range(1, STEPS + 1))
         assert all(f.measured_step_ms > 0 and f.predicted_step_ms > 0 for f in figures.values())

@@ -126,9 +126,12 @@ def measure_deterministically() -> None:
 
     calls = iter(range(1, 10**6))
 
-    def synthetic(busy_s, domain_group):
-        k = next(calls)
-        return [1e-3 * (1 + 0.3 * position + 0.2 * (k % 3)) for position in range(4)]
+    def synthetic(values, domain_group):  # per position: [unclaimed, per micro-batch]
+        k, count = next(calls), len(values) - 1
+        return [
+            [0.0] + [1e-3 * (1 + 0.3 * position + 0.2 * (k % 3) + 0.1 * j) for j in range(count)]
+            for position in range(4)
+        ]
 
     training.busy_times = synthetic
 

@@ -4,7 +4,7 @@ Groups, applied by the functions below (each idempotent; each entry restorable):
 
 - ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MLA, MTP, Mamba, Gated
   DeltaNet, MoE router, TE attention), the MTP loss weighted by global token counts, and the
-  timer of megatron's backward steps;
+  per-micro-batch timer of megatron's forward and backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG, MLA's local
   down projection under TP);
@@ -25,7 +25,6 @@ from typing import List, Sequence, Tuple
 from megatron_dcp.integration.cpu.fallback_warnings import ignore_missing_te_apex_warnings
 from megatron_dcp.integration.megatron_dev_api import INSTALL, dynamic_groups_created
 from megatron_dcp.integration.megatron_import import require_megatron_core
-from megatron_dcp.integration.patches.backward_timing import TIMING_PATCHES, timed, timing_backward
 from megatron_dcp.integration.patches.cp_switching import (
     DCP_PATCHES,
     SOLO_GROUP,
@@ -51,6 +50,7 @@ from megatron_dcp.integration.patches.megatron_training import TRAINING_PATCHES,
 from megatron_dcp.integration.patches.mla_attention import MLA_PATCHES
 from megatron_dcp.integration.patches.mla_tensor_parallel import MLA_TP_PATCHES
 from megatron_dcp.integration.patches.mtp_loss import MTP_PATCHES
+from megatron_dcp.integration.patches.step_timing import TIMING_PATCHES, timed, timing_steps
 from megatron_dcp.integration.patches.table import (
     Entry,
     apply,
@@ -182,6 +182,6 @@ __all__ = [
     "switching",
     "te_attention_forward",
     "timed",
-    "timing_backward",
+    "timing_steps",
     "use_schedule",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -15,10 +16,15 @@ import torch.distributed as dist
 from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.forward_backward import BatchStats, DCPForwardBackward
 from megatron_dcp.integration.node_layout import describe_layout
-from megatron_dcp.integration.patches import apply_groups, timed, timing_backward, use_schedule
-from megatron_dcp.integration.patches.backward_timing import BusyClock
+from megatron_dcp.integration.patches import apply_groups, timed, timing_steps, use_schedule
 from megatron_dcp.runtime.exchange import collective_device
-from megatron_dcp.scheduling.cost_fit import OnlineRefinement, rank_features
+from megatron_dcp.scheduling.cost_fit import (
+    OnlineRefinement,
+    Vector,
+    microbatch_features,
+    microbatch_points,
+    rank_features,
+)
 from megatron_dcp.scheduling.metrics import imbalance as max_over_mean
 
 # Short names of the refined coefficients in the log line (cost_fit.FEATURES, in order).
@@ -47,21 +53,23 @@ class DCPSchedule:
         self.refinement: Optional[OnlineRefinement] = None
         self.calls = 0
         self.iteration = iteration or (lambda: self.calls)
+        self.times: Optional[StepTimes] = None  # the last training step's
 
     def __call__(self, **kwargs: Any) -> Any:
         wrapper = self.wrapper or self.build(kwargs["model"])
-        forward = BusyClock()
-        step = timed(kwargs.pop("forward_step_func"), forward)
+        forward_step_func = kwargs.pop("forward_step_func")
         start = time.perf_counter()
         wrapper.prefetch_next = not self.last_iteration()
-        with timing_backward() as backward:
-            losses = wrapper(forward_step_func=step, **kwargs)
+        with timing_steps() as clock:
+            losses = wrapper(forward_step_func=timed(forward_step_func, clock), **kwargs)
         if not kwargs.get("forward_only", False):
             self.calls += 1
             elapsed = time.perf_counter() - start
-            times = busy_times(forward.busy_s + backward.busy_s, wrapper.domain_group)
+            count = wrapper.plan.num_microbatches if wrapper.plan is not None else 0
+            times = StepTimes.of(busy_times(clock.per_microbatch(count), wrapper.domain_group))
+            self.times = times
             self.refine(times)
-            self.log(self.describe(wrapper.stats[-1], elapsed, times))
+            self.log(self.describe(wrapper.stats[-1], elapsed, times.totals))
         return losses
 
     def build(self, model: Any) -> DCPForwardBackward:
@@ -79,14 +87,21 @@ class DCPSchedule:
         self.log(" " + describe_prefetch(self.wrapper))
         return self.wrapper
 
-    def refine(self, times: Sequence[float]) -> None:
+    def refine(self, times: "StepTimes") -> None:
         """Fit the cost model to the measured ``times`` of the step's plan (the same floats in the
-        same order on every rank) and plan the next global batch with it."""
+        same order on every rank) and plan the next global batch with it: one point per
+        position and micro-batch, or per position where a rank's seconds were not all claimed
+        by a micro-batch."""
         if self.refinement is None or self.wrapper is None or self.wrapper.plan is None:
             return
-        prior = self.refinement.prior
-        rows = rank_features(self.wrapper.plan, prior.nodes, prior.spill_elements)
-        cost = self.refinement.update(rows, times)
+        prior, plan = self.refinement.prior, self.wrapper.plan
+        if times.per_microbatch:
+            features = microbatch_features(plan, prior.nodes, prior.spill_elements)
+            rows, values = microbatch_points(features, times.microbatches)
+        else:
+            rows = rank_features(plan, prior.nodes, prior.spill_elements)
+            values = times.totals
+        cost = self.refinement.update(rows, values)
         self.wrapper.use_cost_model(cost)
 
     def describe(self, stats: BatchStats, elapsed_s: float, times: Sequence[float]) -> str:
@@ -127,18 +142,44 @@ def describe_prefetch(wrapper: DCPForwardBackward) -> str:
     )
 
 
-def busy_times(busy_s: float, domain_group: Any) -> List[float]:
-    """The busy forward-backward seconds of every position of the domain, the same floats on
-    every rank of the job: gathered (float64) over the DP×CP ``domain_group``, the slowest of
-    the tensor-parallel ranks (they run in step), summed over the pipeline stages in stage
-    order (each runs its share of the layers; the cost model counts them all)."""
-    times = gather_floats([busy_s], domain_group)
+@dataclass(frozen=True)
+class StepTimes:
+    """One step's busy forward-backward seconds per position of the domain (the same floats on
+    every rank): per micro-batch of the plan, and those no micro-batch claimed."""
+
+    microbatches: List[Vector]  # [position][micro-batch]
+    unclaimed: Vector  # per position
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[float]]) -> "StepTimes":
+        """From :func:`busy_times`' rows, ``[unclaimed, micro-batch 0, …]`` per position."""
+        return cls([list(row[1:]) for row in rows], [row[0] for row in rows])
+
+    @property
+    def totals(self) -> Vector:
+        """Per position, every busy second of the step."""
+        return [u + sum(m) for u, m in zip(self.unclaimed, self.microbatches)]
+
+    @property
+    def per_microbatch(self) -> bool:
+        """True when every second was claimed by a micro-batch, on every position."""
+        return not any(self.unclaimed)
+
+
+def busy_times(values: Sequence[float], domain_group: Any) -> List[Vector]:
+    """Every position's ``values`` (its busy seconds: ``BusyClock.per_microbatch``), the same
+    floats on every rank of the job: gathered (float64) over the DP×CP ``domain_group``, the
+    slowest of the tensor-parallel ranks (they run in step), summed over the pipeline stages in
+    stage order (each runs its share of the layers; the cost model counts them all), value by
+    value. One all-gather per group, as many floats per rank as micro-batches + 1."""
+    width = len(values)
+    times = gather_floats(values, domain_group)
     tp_group, pp_group = model_parallel_groups()
     if tp_group is not None:
-        times = [max(values) for values in zip(*gather_rows(times, tp_group))]
+        times = [max(column) for column in zip(*gather_rows(times, tp_group))]
     if pp_group is not None:
-        times = [sum(values) for values in zip(*gather_rows(times, pp_group))]
-    return times
+        times = [sum(column) for column in zip(*gather_rows(times, pp_group))]
+    return [times[i : i + width] for i in range(0, len(times), width)]
 
 
 def model_parallel_groups() -> tuple:

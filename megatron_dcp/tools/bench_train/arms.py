@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 from megatron_dcp.integration.model_cost import predicted_step_time
 from megatron_dcp.scheduling import CostModel, Plan
-from megatron_dcp.scheduling.cost_fit import rank_features
+from megatron_dcp.scheduling.cost_fit import microbatch_features, rank_features
 from megatron_dcp.scheduling.dynamic_cp import DefaultDynamicCPScheduler
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
@@ -59,6 +59,7 @@ class ArmPlan:
     plan_time_s: float
     tokens: int
     features: List[List[float]]  # per position, ``cost_fit.FEATURES``
+    microbatch_features: List[List[List[float]]]  # per position, per micro-batch
     sequences: List[List[Tuple[int, int]]]  # per position, (length, CP size) of what it runs
 
 
@@ -120,6 +121,7 @@ def arm_plan(name: str, plan: Plan, cost: CostModel, start: float) -> ArmPlan:
         plan_time_s=elapsed,
         tokens=sum(plan.seqlens),
         features=rank_features(plan, cost.nodes, cost.spill_elements),
+        microbatch_features=microbatch_features(plan, cost.nodes, cost.spill_elements),
         sequences=sequences_per_position(plan),
     )
 

@@ -6,8 +6,9 @@ pretrain_mamba, megatron's own loop) with three changes that make its arms compa
 - **One arm per iteration.** The DCP wrapper's scheduler is an :class:`~.arms.ArmRotation`: each
   batch is planned by every arm under the run's cost model and run with the arm whose turn it
   is. Rank 0 writes every batch's plans (``plans.jsonl``, with each position's cost-model
-  features), every step's busy time per position (``times.jsonl``) and the cost model the run
-  starts from (``prior.json``): what ``megatron-dcp replay-refinement`` replays.
+  features, in total and per micro-batch), every step's busy time per position, in total and per
+  micro-batch (``times.jsonl``), and the cost model the run starts from (``prior.json``): what
+  ``megatron-dcp replay-refinement`` replays.
 - **Digests.** Each rank hashes the samples it reads, one digest per global batch read
   (``digests/rank<r>.txt``): the command checks that every arm of a batch saw the same samples.
 
@@ -23,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.arms import arm_at
 
@@ -168,19 +169,34 @@ def bench_schedule_class(spec: BenchSpec, schedulers: Optional[Mapping[str, Any]
                 return [self.digests, *data_iterator[1:]]
             return self.digests
 
-        def refine(self, times: Sequence[float]) -> None:
+        def refine(self, times: Any) -> None:
             """Record every position's busy forward-backward seconds, then refine as usual."""
             if dist.get_rank() == 0:
-                with open(Path(spec.out) / TIMES_FILE, "a") as out:
-                    out.write(json.dumps({"call": self.calls, "times": list(times)}) + "\n")
+                append_line(Path(spec.out) / TIMES_FILE, times_record(self.calls, times))
             super().refine(times)
 
         def record_plans(self, batch: int, figures: Sequence[Any]) -> None:
             if dist.get_rank() == 0:
-                with open(Path(spec.out) / PLANS_FILE, "a") as out:
-                    out.write(json.dumps(as_record(batch, figures)) + "\n")
+                append_line(Path(spec.out) / PLANS_FILE, as_record(batch, figures))
 
     return BenchSchedule
+
+
+def times_record(call: int, times: Any) -> Dict[str, Any]:
+    """One line of ``times.jsonl``: a step's ``StepTimes`` (per position: the sum, per
+    micro-batch, and the seconds no micro-batch claimed)."""
+    return {
+        "call": call,
+        "times": times.totals,
+        "microbatch_times": times.microbatches,
+        "unclaimed": times.unclaimed,
+    }
+
+
+def append_line(path: Path, record: Dict[str, Any]) -> None:
+    """Append ``record`` to the JSON-lines file ``path``."""
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from megatron_dcp.tools.calibration import (
     DEFAULT_PACK_SIZES,
     DEFAULT_REPEATS,
     PROG,
+    cache_size,
     check_split,
     fit_points,
     grid,
@@ -131,7 +132,8 @@ def calibrate(argv: Sequence[str]) -> int:
     if options.link_rate is not None:
         return shaped_calibration(argv, options)
     args = parse_model_args(argv)
-    points = grid(options, args.seq_length)
+    spill_elements, hardware = cache_size(args)
+    points = grid(options, args.seq_length, spill_elements)
     held = split_hold_out(points, options.hold_out, args.seed)
     check_split(held, options.hold_out)
     measured = run_measurement(points, options, args)
@@ -139,6 +141,7 @@ def calibrate(argv: Sequence[str]) -> int:
         return 1
     result = fit_points(points, measured, held)
     described = source(result, options, args, model_flags)
+    described["spill_threshold_from"] = hardware
     link = link_source(result.cost, args, options.nproc)
     if link is not None:
         described["link"] = link

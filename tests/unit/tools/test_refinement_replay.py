@@ -15,6 +15,8 @@ from megatron_dcp.scheduling.cost_fit import (
     CostProfile,
     OnlineRefinement,
     coefficients,
+    microbatch_features,
+    microbatch_points,
     predict,
     rank_features,
     save_profile,
@@ -48,8 +50,12 @@ def batch(rng: random.Random) -> list:
     return lengths
 
 
-def write_run(out: Path, load, iterations: int = 30, seed: int = 0) -> Path:
-    """A run folder: plans of every arm under the prior, times from ``TRUE`` × ``load(t)``."""
+def write_run(
+    out: Path, load, iterations: int = 30, seed: int = 0, per_microbatch: bool = False
+) -> Path:
+    """A run folder: plans of every arm under the prior, times from ``TRUE`` × ``load(t)``;
+    ``per_microbatch``: also per position and micro-batch, as ``bench-train`` now records them
+    (else the totals only, as runs recorded before)."""
     rng = random.Random(seed)
     records = []
     rotation = ArmRotation(
@@ -63,8 +69,13 @@ def write_run(out: Path, load, iterations: int = 30, seed: int = 0) -> Path:
     times = []
     for t in range(1, iterations + 1):
         plan = rotation.schedule(batch(rng))
-        rows = rank_features(plan, PRIOR.nodes, PRIOR.spill_elements)
-        times.append({"call": t, "times": [predict(TRUE, r) * load(t, rng) for r in rows]})
+        factor = load(t, rng)
+        record = {"call": t, "times": [predict(TRUE, r) * factor for r in rank_features(plan)]}
+        if per_microbatch:
+            positions = microbatch_features(plan)
+            record["microbatch_times"] = [[predict(TRUE, r) * factor for r in p] for p in positions]
+            record["unclaimed"] = [0.0] * len(positions)
+        times.append(record)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plans.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "times.jsonl").write_text("".join(json.dumps(t) + "\n" for t in times))
@@ -94,6 +105,21 @@ def test_the_replay_predicts_each_step_with_the_model_of_two_steps_before(tmp_pa
         assert steps[k].predicted_s == max(predict(theta, row) for row in step.features)
         reference.update(step.features, step.times)
         thetas.append(coefficients(reference.cost))
+
+
+def test_a_run_timed_per_micro_batch_is_replayed_from_those_points(tmp_path):
+    """The refinement is fed what training fed it: one point per position and micro-batch
+    (the plan's per-micro-batch features from plans.jsonl), the step predicted from the totals."""
+    run = load_run(write_run(tmp_path, contended, iterations=6, per_microbatch=True))
+    reference, thetas = OnlineRefinement(PRIOR), [coefficients(PRIOR)]
+    for k, (step, replayed) in enumerate(zip(run.steps, replay(run))):
+        rows, times = step.points()
+        assert len(rows) == len(times) > len(step.features)  # several micro-batches
+        assert (rows, times) == microbatch_points(step.microbatch_features, step.microbatch_times)
+        assert replayed.predicted_s == max(predict(thetas[max(0, k - 1)], r) for r in step.features)
+        reference.update(rows, times)
+        thetas.append(coefficients(reference.cost))
+    assert replayed.factors == reference.factors
 
 
 def test_a_noise_free_run_is_learned(tmp_path):

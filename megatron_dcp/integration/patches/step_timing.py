@@ -1,0 +1,158 @@
+"""The timing entries of the patch table: the busy seconds of megatron's forward and backward
+steps on this rank, per micro-batch, for the ``[DCP]`` log line's measured step time and the
+online refinement of the cost model (``integration.training.dcp_schedule``).
+
+megatron's schedules call the module functions ``schedules.forward_step`` and
+``schedules.backward_step`` once per micro-batch (and model chunk). While a :class:`BusyClock`
+is current (:func:`timing_steps`):
+
+- the patched ``forward_step`` makes its ``current_microbatch`` (every schedule of
+  megatron-core 0.19 passes it: the micro-batch's index, per model chunk under VPP) the clock's
+  current micro-batch, so that the timed forward step function (:func:`timed`) adds its seconds
+  to that micro-batch, and remembers which micro-batch its output belongs to;
+- the patched ``backward_step`` adds its seconds to the micro-batch whose output it receives
+  (the very object ``forward_step`` returned: every schedule hands it from the forward to the
+  backward step).
+
+Seconds no micro-batch claims (a schedule that names none) are counted apart, so that the
+refinement can tell a step timed per micro-batch from one that is not. Without a current clock
+both are the originals. Cost per micro-batch: two dictionary operations beside the timing that
+was already there (one synchronisation on CUDA before and after each timed step, as before).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from megatron_dcp.integration.patches.table import Patch
+
+
+class BusyClock:
+    """Seconds spent in the timed calls since the clock was made: in total, per micro-batch
+    index, and those no micro-batch claimed."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.unclaimed_s = 0.0
+        self.microbatch_s: Dict[int, float] = {}
+        self.current: Optional[int] = None  # the micro-batch whose forward step runs
+        self.owners: Dict[int, int] = {}  # id(a forward step's output) -> its micro-batch
+
+    def add(self, seconds: float, microbatch: Optional[int] = None) -> None:
+        self.busy_s += seconds
+        if microbatch is None:
+            self.unclaimed_s += seconds
+        else:
+            self.microbatch_s[microbatch] = self.microbatch_s.get(microbatch, 0.0) + seconds
+
+    def per_microbatch(self, count: int) -> List[float]:
+        """``[unclaimed, micro-batch 0, …, micro-batch count−1]`` seconds (a claimed index
+        outside the range counts as unclaimed)."""
+        outside = sum(s for i, s in self.microbatch_s.items() if not 0 <= i < count)
+        return [self.unclaimed_s + outside] + [self.microbatch_s.get(i, 0.0) for i in range(count)]
+
+
+class ClockSlot:
+    """The clock the patched steps report to (None: not timing)."""
+
+    clock: Optional[BusyClock] = None
+
+
+SLOT = ClockSlot()
+
+
+def now() -> float:
+    """``time.perf_counter()`` once the GPU has finished the work queued so far (kernels run
+    asynchronously: without the synchronisation a step would be timed at its launch cost)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@contextmanager
+def timing_steps() -> Iterator[BusyClock]:
+    """A clock of the steps run inside the block: the backward steps, and the forward step
+    functions wrapped with :func:`timed` (0 where the patches are not applied)."""
+    clock, previous = BusyClock(), SLOT.clock
+    SLOT.clock = clock
+    try:
+        yield clock
+    finally:
+        SLOT.clock = previous
+
+
+def timed(function: Callable, clock: BusyClock) -> Callable:
+    """``function`` adding the duration of each call to ``clock``, for the micro-batch current
+    when it is called."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        microbatch, start = clock.current, now()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            clock.add(now() - start, microbatch)
+
+    return call
+
+
+def _announcing_forward_step(owner: Any, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        clock = SLOT.clock
+        if clock is None:
+            return original(*args, **kwargs)
+        clock.current = microbatch = kwargs.get("current_microbatch")
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            clock.current = None
+        if microbatch is not None:
+            clock.owners[id(result[0])] = microbatch
+        return result
+
+    return forward_step
+
+
+def _timed_backward_step(owner: Any, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def backward_step(*args: Any, **kwargs: Any) -> Any:
+        clock = SLOT.clock
+        if clock is None:
+            return original(*args, **kwargs)
+        output = args[1] if len(args) > 1 else kwargs.get("output_tensor")
+        microbatch, start = clock.owners.pop(id(output), None), now()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            clock.add(now() - start, microbatch)
+
+    return backward_step
+
+
+TIMING_PATCHES: Tuple[Patch, ...] = (
+    Patch(
+        "forward_step_microbatch",
+        "dcp",
+        ("megatron.core.pipeline_parallel.schedules:forward_step",),
+        "megatron's forward step function is not told which micro-batch it runs; the online "
+        "refinement of the cost model needs each micro-batch's busy seconds (it identifies the "
+        "per-micro-batch cost from them), so the timed forward step and the backward step of "
+        "its output are attributed to the forward step's current_microbatch.",
+        _announcing_forward_step,
+    ),
+    Patch(
+        "backward_step_timer",
+        "dcp",
+        ("megatron.core.pipeline_parallel.schedules:backward_step",),
+        "megatron's schedules time no rank's own work; the [DCP] log line's measured "
+        "forward-backward time and the online refinement of the cost model need each rank's "
+        "busy seconds in backward steps (forward steps are timed by the DCP schedule).",
+        _timed_backward_step,
+    ),
+)
