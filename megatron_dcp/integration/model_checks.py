@@ -221,13 +221,21 @@ def check_mamba_cp(nheads: int, ngroups: int, tp: int, cp_sizes: Sequence[int]) 
 
 def check_gdn_args(args: Any, cp_sizes: Sequence[int]) -> None:
     """A Gated DeltaNet hybrid's flags (megatron's parsed ``args``), before megatron builds it:
-    the SiLU its convolution asserts at the first forward, and :func:`check_gdn_cp`."""
+    the SiLU its convolution asserts at the first forward, no MTP block (megatron.training
+    cannot build one), and :func:`check_gdn_cp`."""
     if not getattr(args, "swiglu", False):
         raise ValueError(
             "--experimental-attention-variant gated_delta_net needs --swiglu: megatron-core "
             "0.19.2's GatedDeltaNet applies the model's activation function after its short "
             "convolution and accepts only SiLU, which --swiglu selects (the MLPs become SwiGLU, "
             "as in Qwen3-Next). Add --swiglu."
+        )
+    if getattr(args, "mtp_num_layers", None):
+        raise ValueError(
+            f"--mtp-num-layers {args.mtp_num_layers} with --experimental-attention-variant "
+            "gated_delta_net: megatron.training 0.19.2 builds the MTP layers from "
+            "get_gpt_decoder_layer_specs, which asserts that no attention variant is set (on "
+            "every backend). Drop --mtp-num-layers."
         )
     tp = args.tensor_model_parallel_size
     check_gdn_cp(args.linear_num_key_heads, args.linear_num_value_heads, tp, cp_sizes)

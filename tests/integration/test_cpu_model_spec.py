@@ -98,6 +98,7 @@ REFUSED_GPT = [
     # DCP's own refusal comes first: on a GPU these layers build, and DCP refuses them there too.
     ({"--experimental-attention-variant": "dsa"}, "--dynamic-context-parallel with --experimen"),
     ({**GDN, "--swiglu": False}, "--experimental-attention-variant gated_delta_net needs --swig"),
+    ({**GDN, "--mtp-num-layers": 1}, "--mtp-num-layers 1 with --experimental-attention-variant"),
     ({"--transformer-impl": "transformer_engine"}, "--transformer-impl transformer_engine on"),
     ({"--transformer-impl": "inference_optimized"}, "--transformer-impl inference_optimized on"),
     ({"--attention-backend": "flash"}, "--attention-backend flash on the CPU backend"),

@@ -182,6 +182,7 @@ def test_gdn_flags_pass(pretrain_gpt):
     "overrides,message",
     [
         (dict(swiglu=False), "gated_delta_net needs --swiglu"),
+        (dict(mtp_num_layers=1), "--mtp-num-layers 1 with --experimental-attention-variant"),
         (dict(linear_num_key_heads=4), r"--linear-num-key-heads 4 / TP 1 = 4 .*CP size 8 fails"),
         (
             dict(tensor_model_parallel_size=2),
