@@ -35,15 +35,28 @@ from megatron.training.argument_utils import gpt_config_from_args  # noqa: E402
 from megatron_dcp.integration.config import DCPConfig  # noqa: E402
 from megatron_dcp.integration.cpu.gpt_layer_spec import local_gpt_layer_spec  # noqa: E402
 from megatron_dcp.integration.cpu.spec_refusals import check_local_gpt_spec  # noqa: E402
+from megatron_dcp.integration.model_checks import check_gdn_args  # noqa: E402
 from megatron_dcp.integration.training.entry import (  # noqa: E402
     CPU_DEFAULTS,
     check_args,
     datasets_provider,
     extra_args,
     parse_args,
+    plan_cp_sizes,
     start,
     train,
 )
+
+GDN_VARIANT = "gated_delta_net"
+
+
+def check_gpt_args(args: Any) -> DCPConfig:
+    """The DCP flags (``check_args``) and, for a Gated DeltaNet hybrid, its activation and the CP
+    sizes its GDN layers admit: every size a plan may use (docs/usage.md)."""
+    config = check_args(args)
+    if getattr(args, "experimental_attention_variant", None) == GDN_VARIANT:
+        check_gdn_args(args, plan_cp_sizes(args, config))
+    return config
 
 
 def uses_local_spec(model_config: Any) -> bool:
@@ -79,7 +92,7 @@ def prepare(argv: Optional[List[str]] = None) -> Tuple[Any, DCPConfig, Any]:
     """The arguments, the DCP config and the GPT model config, every start-up check passed."""
     if ON_CPU:
         torch.set_num_threads(1)  # several ranks share the few cores
-    return start(argv, check_args, model_config_from_args)
+    return start(argv, check_gpt_args, model_config_from_args)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -89,6 +102,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 __all__ = [
     "CPU_DEFAULTS",
     "check_args",
+    "check_gpt_args",
     "datasets_provider",
     "extra_args",
     "main",

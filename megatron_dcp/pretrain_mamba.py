@@ -33,7 +33,12 @@ from megatron_dcp.integration.config import DCPConfig  # noqa: E402
 from megatron_dcp.integration.cpu.hybrid_stack import reference_hybrid_stack_spec  # noqa: E402
 from megatron_dcp.integration.cpu.spec_refusals import check_local_hybrid_spec  # noqa: E402
 from megatron_dcp.integration.model_checks import check_mamba_cp  # noqa: E402
-from megatron_dcp.integration.training.entry import check_args, start, train  # noqa: E402
+from megatron_dcp.integration.training.entry import (  # noqa: E402
+    check_args,
+    plan_cp_sizes,
+    start,
+    train,
+)
 
 ENTRY = "pretrain_mamba"
 MAMBA = "M"
@@ -60,15 +65,6 @@ def check_hybrid_args(args: argparse.Namespace) -> DCPConfig:
 def mamba_heads(args: argparse.Namespace) -> int:
     """Mamba heads of the model: ``--mamba-num-heads``, else 2·hidden / head dim (megatron's)."""
     return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
-
-
-def plan_cp_sizes(args: argparse.Namespace, config: DCPConfig) -> tuple:
-    """The CP sizes a plan may give a sequence: the static size under ``dp_balanced``, else every
-    group size of the DP×CP domain."""
-    if config.scheduler == "dp_balanced":
-        return (args.context_parallel_size,)
-    domain_size = args.data_parallel_size * args.context_parallel_size
-    return config.build_scheduler(domain_size).domain.group_sizes
 
 
 def model_config_from_args(args: argparse.Namespace) -> Any:

@@ -221,6 +221,14 @@ PATCH_MUTANTS = (
         "mamba_mixer: the Mamba all-to-alls keep the static CP group's MambaContextParallel",
     ),
     Mutant(
+        "patch-gdn-static-cp",
+        PATCHES + "gdn_switching.py",
+        'stack.enter_context(swapped_attribute(module, "pg_collection", collection))',
+        'stack.enter_context(swapped_attribute(module, "pg_collection", module.pg_collection))',
+        (PATCH_TESTS, "tests/integration/test_dcp_gdn.py"),
+        "gdn_context_parallel: the GDN all-to-alls keep the static CP group",
+    ),
+    Mutant(
         "patch-moe-router-static-group",
         PATCHES + "cp_switching.py",
         'with swapped_attribute(router, "tp_cp_group", group):',
@@ -308,6 +316,14 @@ PATCH_MUTANTS = (
         "if seq_idx is None and shift:",
         ("tests/integration/test_mamba_kernels.py",),
         "mamba_causal_conv1d_fn: the conv window crosses packed sequence boundaries",
+    ),
+    Mutant(
+        "cpu-gdn-state-crosses-sequences",
+        "megatron_dcp/integration/cpu/gdn_kernels.py",
+        "bounds = [int(bound) for bound in cu_seqlens.tolist()]",
+        "bounds = [0, length]",
+        ("tests/integration/test_gdn_kernels.py", "tests/integration/test_dcp_gdn.py"),
+        "gdn_chunk_gated_delta_rule: the delta rule's state crosses packed sequence boundaries",
     ),
     Mutant(
         "cpu-moe-split-sizes-guard-inverted",

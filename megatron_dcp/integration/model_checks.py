@@ -8,6 +8,7 @@ every feature with its status: tested, refused here, or GPU only.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 from megatron_dcp.integration.config import DCP_FLAG
@@ -48,15 +49,20 @@ def check_loss_and_exclusive_features(config: Any) -> None:
 
 
 # Layer kinds whose context parallelism megatron-core 0.19.2 runs over the static CP group (or
-# not at all): under DCP a micro-batch's own CP groups would never reach them.
+# not at all), with no per-micro-batch switch here: under DCP a micro-batch's own CP groups would
+# never reach them. (Gated DeltaNet layers are switched by the patch table's
+# ``gdn_context_parallel`` entry, in pretrain_gpt's models.)
 UNSWITCHED_VARIANTS = {
-    "gated_delta_net": "Gated DeltaNet layers run their head-parallel all-to-all over the static "
-    "CP group, so under DCP they would exchange heads with ranks that hold other sequences",
     "dsa": "DeepSeek sparse attention's indexer has no per-micro-batch CP group",
 }
 UNSWITCHED_HYBRID_SYMBOLS = (
-    ("G", "gated_delta_net"),
-    ("D", "dsa"),
+    (
+        "G",
+        "gated_delta_net",
+        "Gated DeltaNet layers are switched per micro-batch in pretrain_gpt's models "
+        "(--experimental-attention-variant gated_delta_net), not in the hybrid stack's",
+    ),
+    ("D", "dsa", UNSWITCHED_VARIANTS["dsa"]),
 )
 
 
@@ -72,12 +78,12 @@ def check_layer_kinds(config: Any) -> None:
             f"parallelism (drop {DCP_FLAG}); DCP does not support it yet."
         )
     pattern = getattr(config, "hybrid_layer_pattern", None) or ""
-    for symbol, kind in UNSWITCHED_HYBRID_SYMBOLS:
+    for symbol, kind, reason in UNSWITCHED_HYBRID_SYMBOLS:
         if symbol in pattern:
             raise ValueError(
                 f"{DCP_FLAG} with --hybrid-layer-pattern {pattern!r}: its {symbol!r} layers are "
-                f"{kind}, and in megatron-core 0.19.2 {UNSWITCHED_VARIANTS[kind]}. Train it with "
-                f"static context parallelism (drop {DCP_FLAG}) or leave out the {symbol!r} layers."
+                f"{kind}, and in megatron-core 0.19.2 {reason}. Train it with static context "
+                f"parallelism (drop {DCP_FLAG}) or leave out the {symbol!r} layers."
             )
 
 
@@ -111,12 +117,13 @@ def check_recompute(config: Any, cpu_backend: bool) -> None:
             "the backward pass never finishes (with or without DCP). Add --disable-bias-linear "
             "or recompute core_attn instead."
         )
-    if "layernorm" in modules and cpu_backend:
-        raise ValueError(
-            f"--recompute-modules layernorm needs Transformer Engine (megatron-core 0.19.2 "
-            "queries TE's FP8 state when it recomputes norms), which the CPU backend has not: "
-            "drop layernorm from --recompute-modules on CPU."
-        )
+    for module in ("layernorm", "gdn_norm_out"):
+        if module in modules and cpu_backend:
+            raise ValueError(
+                f"--recompute-modules {module} needs Transformer Engine (megatron-core 0.19.2 "
+                "queries TE's FP8 state in its output-discarding checkpoint), which the CPU "
+                f"backend has not: drop {module} from --recompute-modules on CPU."
+            )
 
 
 def check_cuda_graphs(config: Any) -> None:
@@ -209,4 +216,47 @@ def check_mamba_cp(nheads: int, ngroups: int, tp: int, cp_sizes: Sequence[int]) 
             f"to divide it or be divided by it; CP size {size} fails. Raise --mamba-num-heads "
             "(or lower --mamba-head-dim), shrink the DP×CP domain, or plan static CP with "
             "--sequence-packing-scheduler dp_balanced (only --context-parallel-size is used)."
+        )
+
+
+def check_gdn_args(args: Any, cp_sizes: Sequence[int]) -> None:
+    """A Gated DeltaNet hybrid's flags (megatron's parsed ``args``), before megatron builds it:
+    the SiLU its convolution asserts at the first forward, no MTP block (megatron.training
+    cannot build one), and :func:`check_gdn_cp`."""
+    if not getattr(args, "swiglu", False):
+        raise ValueError(
+            "--experimental-attention-variant gated_delta_net needs --swiglu: megatron-core "
+            "0.19.2's GatedDeltaNet applies the model's activation function after its short "
+            "convolution and accepts only SiLU, which --swiglu selects (the MLPs become SwiGLU, "
+            "as in Qwen3-Next). Add --swiglu."
+        )
+    if getattr(args, "mtp_num_layers", None):
+        raise ValueError(
+            f"--mtp-num-layers {args.mtp_num_layers} with --experimental-attention-variant "
+            "gated_delta_net: megatron.training 0.19.2 builds the MTP layers from "
+            "get_gpt_decoder_layer_specs, which asserts that no attention variant is set (on "
+            "every backend). Drop --mtp-num-layers."
+        )
+    tp = args.tensor_model_parallel_size
+    check_gdn_cp(args.linear_num_key_heads, args.linear_num_value_heads, tp, cp_sizes)
+
+
+def check_gdn_cp(key_heads: int, value_heads: int, tp: int, cp_sizes: Sequence[int]) -> None:
+    """Gated DeltaNet layers under CP: their all-to-all hands every rank of the CP group whole
+    key and value heads of its TP rank (megatron's ``GatedDeltaNet``: every projection section,
+    q/k, v, gate, beta and alpha, split over the group), for every CP size ``cp_sizes`` a plan
+    may use."""
+    per_tp = {"--linear-num-key-heads": key_heads, "--linear-num-value-heads": value_heads}
+    for flag, heads in per_tp.items():
+        local = heads // tp
+        failing = [size for size in cp_sizes if local % size]
+        if not failing:
+            continue
+        raise ValueError(
+            f"--experimental-attention-variant gated_delta_net: {flag} {heads} / TP {tp} = "
+            f"{local} heads per TP rank, which the GDN layers' CP all-to-all splits over every CP "
+            f"size a plan may use ({', '.join(map(str, cp_sizes))}); CP size {failing[0]} "
+            f"fails. Raise {flag} to a multiple of {tp * math.lcm(*cp_sizes)}, shrink the DP×CP "
+            "domain, or plan static CP with --sequence-packing-scheduler dp_balanced (only "
+            "--context-parallel-size is used)."
         )

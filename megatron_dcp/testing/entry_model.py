@@ -52,7 +52,7 @@ def prepare_entry(entry: str, flags: Mapping[str, object]) -> Tuple[Any, Any]:
     """megatron's arguments and the model config ``megatron_dcp.<entry>`` makes of ``flags``,
     through its start-up checks (a refusal is a ``SystemExit`` with status 2)."""
     module = importlib.import_module(f"megatron_dcp.{entry}")
-    check = getattr(module, "check_hybrid_args", None) or module.check_args
+    check = getattr(module, "check_hybrid_args", None) or module.check_gpt_args
     reset_megatron_arguments()
     argv = flag_list(dict(flags))
     args, _, model_config = module.start(argv, check, module.model_config_from_args)

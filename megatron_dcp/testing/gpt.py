@@ -23,6 +23,7 @@ from megatron_dcp.integration.forward_backward import packed_seq_params_of
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.integration.model_parallel import init_megatron
 from megatron_dcp.runtime.packing import pack_samples, padding_multiple
+from megatron_dcp.testing.gdn import gdn_fields, gdn_layer_spec, mark_gdn_tp_blocks
 from megatron_dcp.testing.hybrid import build_hybrid_chunk, mamba_fields
 from megatron_dcp.testing.mla import config_class, mla_fields
 from megatron_dcp.testing.moe import (
@@ -59,6 +60,8 @@ class TinyGPTOptions:
     max_sequence_length: int = 512
     mtp_layers: int = 0
     hybrid_layer_pattern: Optional[str] = None  # e.g. "M*M-": megatron's HybridModel (hybrid.py)
+    # Gated DeltaNet hybrid (gdn.py): GDN layers, standard attention every N-th (None: no GDN).
+    linear_attention_freq: Optional[int] = None
     seed: int = 1234
     sequence_parallel: bool = False  # applies when tp > 1 (the reference runs without it)
     # Activation recomputation (TransformerConfig's fields of the same names; None: off).
@@ -128,6 +131,7 @@ def tiny_gpt_config(
         **moe_fields(options),
         **mamba_fields(options),
         **mla_fields(options),
+        **gdn_fields(options),
     )
 
 
@@ -153,6 +157,7 @@ def build_tiny_gpt(
     config = tiny_gpt_config(tp, pp, cp, vpp, options)
     chunks = [_build_chunk(config, options, stage) for stage in _vp_stages(vpp)]
     for chunk in chunks:
+        mark_gdn_tp_blocks(chunk)
         init_from_global_names(chunk, options.seed)
     return chunks
 
@@ -169,6 +174,8 @@ def _build_chunk(
     ignore_virtual = stage is None
     if options.multi_latent_attention:  # the CPU backend's own spec (MLA from local modules)
         layer_spec = local_transformer_spec(config, stage)
+    elif options.linear_attention_freq:
+        layer_spec = gdn_layer_spec(config, stage)
     else:
         layer_spec = reference_layer_spec(
             num_experts=options.num_moe_experts, moe_grouped_gemm=False

@@ -3,9 +3,9 @@ model a run trained against what its name and flags claim.
 
 megatron logs ``number of parameters on (tensor, ..., pipeline) model parallel rank (t, g, p): N``
 (``RunLog.parameters``); :func:`expected_parameters` computes the same figure per (tensor rank,
-pipeline rank) from the architecture: embeddings, norms, attention, MLP, experts, MTP layers and
-Mamba layers, each sharded as megatron's tensor, pipeline, virtual-pipeline and expert
-parallelism shard it. A flag it does not know is a ``ValueError`` (every flag that may change the
+pipeline rank) from the architecture: embeddings, norms, attention, MLP, experts, MTP layers,
+Mamba and Gated DeltaNet layers, each sharded as megatron's tensor, pipeline, virtual-pipeline
+and expert parallelism shard it. A flag it does not know is a ``ValueError`` (every flag that may change the
 model must be modelled or declared neutral here), so a case cannot add a model flag unchecked.
 """
 
@@ -40,9 +40,19 @@ MODELLED = frozenset(
     --moe-shared-expert-intermediate-size --expert-tensor-parallel-size --mtp-num-layers
     --hybrid-layer-pattern --mamba-head-dim --mamba-num-groups --mamba-state-dim
     --mamba-num-heads --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim
-    --qk-pos-emb-head-dim --v-head-dim""".split()
+    --qk-pos-emb-head-dim --v-head-dim --experimental-attention-variant --linear-attention-freq
+    --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim
+    --linear-num-key-heads --linear-num-value-heads""".split()
 )
 MAMBA_EXPAND, MAMBA_CONV_WIDTH = 2, 4  # megatron's d_inner = 2·hidden, convolution width 4
+# megatron's Gated DeltaNet defaults (TransformerConfig): convolution width, head dims, heads.
+GDN_DEFAULTS = {
+    "--linear-conv-kernel-dim": 4,
+    "--linear-key-head-dim": 128,
+    "--linear-value-head-dim": 128,
+    "--linear-num-key-heads": 16,
+    "--linear-num-value-heads": 32,
+}
 
 
 @dataclass(frozen=True)
@@ -181,10 +191,40 @@ def moe_layers(shape: Shape, num_layers: int) -> List[bool]:
     return pattern
 
 
-def transformer_layer(shape: Shape, is_moe: bool) -> int:
+def transformer_layer(shape: Shape, is_moe: bool, is_gdn: bool = False) -> int:
     h = shape.hidden
     feed_forward = moe(shape) if is_moe else mlp(shape, ffn_size(shape), shape.tp, shape.bias)
-    return shape.norm(h) + attention(shape) + shape.norm(h) + feed_forward
+    mixer = gated_delta_net(shape) if is_gdn else attention(shape)
+    return shape.norm(h) + mixer + shape.norm(h) + feed_forward
+
+
+def gated_delta_net(shape: Shape) -> int:
+    """A Gated DeltaNet's TP shard: the projection to q, k, v, gate, beta and alpha, the
+    convolution over q, k and v, dt bias and A, the output norm (over a value head, whole on
+    every TP rank) and the output projection; no biases."""
+    h, tp = shape.hidden, shape.tp
+    size = {flag: shape.int(flag, default) for flag, default in GDN_DEFAULTS.items()}
+    qk = size["--linear-key-head-dim"] * size["--linear-num-key-heads"]
+    value_heads = size["--linear-num-value-heads"]
+    v = size["--linear-value-head-dim"] * value_heads
+    in_proj = h * (2 * qk + 2 * v + 2 * value_heads) // tp
+    conv = (2 * qk + v) * size["--linear-conv-kernel-dim"] // tp
+    out_norm = shape.norm(size["--linear-value-head-dim"])
+    return in_proj + conv + 2 * value_heads // tp + out_norm + v * h // tp
+
+
+def gdn_layers(shape: Shape, num_layers: int) -> List[bool]:
+    """Which decoder layers are Gated DeltaNet layers: all but every N-th
+    (``--linear-attention-freq N``), or a 0/1 list; none without the variant."""
+    variant = shape.get("--experimental-attention-variant")
+    if variant is None:
+        return [False] * num_layers
+    if variant != "gated_delta_net":
+        raise ValueError(f"--experimental-attention-variant {variant}: not modelled here")
+    frequency = shape.get("--linear-attention-freq")
+    if isinstance(frequency, str) and frequency.strip().startswith("["):
+        return [bool(x) for x in ast.literal_eval(frequency)]
+    return [(i + 1) % int(frequency) != 0 for i in range(num_layers)]
 
 
 def mamba_layer(shape: Shape) -> int:
@@ -217,7 +257,8 @@ def decoder_layers(shape: Shape) -> List[int]:
     if pattern:
         return [hybrid_layer(shape, symbol) for symbol in str(pattern)]
     num_layers = shape.int("--num-layers", 0)
-    return [transformer_layer(shape, is_moe) for is_moe in moe_layers(shape, num_layers)]
+    kinds = zip(moe_layers(shape, num_layers), gdn_layers(shape, num_layers))
+    return [transformer_layer(shape, is_moe, is_gdn) for is_moe, is_gdn in kinds]
 
 
 def stage_layers(shape: Shape, pp_rank: int, num_layers: int) -> List[int]:

@@ -52,6 +52,11 @@ def test_a_supported_config_passes():
     # Multi-latent attention runs on the micro-batch's CP group (the mla_rope patch).
     mla = dict(multi_latent_attention=True, recompute_granularity="selective")
     check_model_config(config(**mla, recompute_modules=["core_attn"]), cpu_backend=True)
+    # Gated DeltaNet layers switch per micro-batch (patch gdn_context_parallel), gdn_norm_out
+    # recomputation included (on a GPU: it needs Transformer Engine).
+    gdn = dict(experimental_attention_variant="gated_delta_net", recompute_modules=["gdn_norm_out"])
+    gdn.update(recompute_granularity="selective")
+    check_model_config(config(**gdn), te_available=True, cpu_backend=False)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +80,6 @@ def test_a_supported_config_passes():
         (dict(enable_cuda_graph=True), True, "--enable-cuda-graph"),
         (dict(tp_comm_overlap=True, sequence_parallel=True), True, "--tp-comm-overlap"),
         # On a GPU these layers build and train: DCP's groups would never reach their CP.
-        (dict(experimental_attention_variant="gated_delta_net"), True, "gated_delta_net"),
         (dict(experimental_attention_variant="dsa"), True, "--experimental-attention-variant dsa"),
         (dict(hybrid_layer_pattern="M*G-"), True, "'G' layers are gated_delta_net"),
         (dict(hybrid_layer_pattern="MD*-"), True, "'D' layers are dsa"),
@@ -91,6 +95,7 @@ def test_unsupported_model_settings_are_rejected(overrides, te, flag):
     "overrides,flag",
     [
         (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), "layernorm"),
+        (dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]), "gdn_norm"),
         (dict(fp8="hybrid"), "--fp8-format"),
         (dict(fp4="e2m1"), "--fp4-format"),
     ],

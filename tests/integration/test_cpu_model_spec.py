@@ -25,6 +25,11 @@ from megatron_dcp.tools.local_ranks import run_distributed  # noqa: E402
 HYBRID = {"--hybrid-layer-pattern": "M*M-", "--num-layers": 4, "--mamba-head-dim": 16}
 HYBRID.update({"--mamba-num-groups": 2, "--mamba-state-dim": 8})
 EXPERTS = {"--num-experts": 4}
+# A Gated DeltaNet hybrid: GDN layers 1-3, attention layer 4; 2 key and 4 value heads.
+GDN = {"--experimental-attention-variant": "gated_delta_net", "--linear-attention-freq": 4}
+GDN.update({"--num-layers": 4, "--swiglu": True, "--linear-key-head-dim": 8})
+GDN.update({"--linear-value-head-dim": 16, "--linear-num-key-heads": 2})
+GDN.update({"--linear-num-value-heads": 4})
 # A two-layer heterogeneous model (megatron's HuggingFace "block_configs" format, which it
 # requires to match these flags): layer 1 without attention and a smaller MLP, layer 2 with two
 # query groups and its MLP replaced by one linear layer.
@@ -91,11 +96,9 @@ REFUSED_GPT = [
         "--qk-layernorm with --multi-latent-attention and no --q-lora-rank on the CPU backend",
     ),
     # DCP's own refusal comes first: on a GPU these layers build, and DCP refuses them there too.
-    (
-        {"--experimental-attention-variant": "gated_delta_net"},
-        "--dynamic-context-parallel with --experimental-attention-variant gated_delta_net: in",
-    ),
     ({"--experimental-attention-variant": "dsa"}, "--dynamic-context-parallel with --experimen"),
+    ({**GDN, "--swiglu": False}, "--experimental-attention-variant gated_delta_net needs --swig"),
+    ({**GDN, "--mtp-num-layers": 1}, "--mtp-num-layers 1 with --experimental-attention-variant"),
     ({"--transformer-impl": "transformer_engine"}, "--transformer-impl transformer_engine on"),
     ({"--transformer-impl": "inference_optimized"}, "--transformer-impl inference_optimized on"),
     ({"--attention-backend": "flash"}, "--attention-backend flash on the CPU backend"),
@@ -142,6 +145,11 @@ def test_pretrain_gpt_refuses_what_the_cpu_spec_cannot_build(flags, error, capfd
 def test_pretrain_mamba_refuses_what_the_cpu_stack_cannot_build(flags, error, capfd):
     line = refusal("pretrain_mamba", {**HYBRID, **flags}, capfd)
     assert line.startswith(f"error: {error}")
+
+
+def test_heterogeneous_layers_with_an_attention_variant_are_refused(heterogeneous, capfd):
+    line = refusal("pretrain_gpt", {**heterogeneous, **GDN, "--num-layers": 2}, capfd)
+    assert line.startswith("error: --experimental-attention-variant gated_delta_net with --het")
 
 
 def test_heterogeneous_layers_with_experts_are_refused(heterogeneous, capfd):
@@ -234,6 +242,23 @@ def test_mtp_layers_follow_the_decoder_config():
     assert classes[f"{layer}.mlp.experts"] == "SequentialMLP"
     assert classes[f"{layer}.self_attention.core_attention"] == "ReferenceCoreAttention"
     assert classes[f"{layer}.self_attention.q_layernorm"] == "LayerNorm"
+
+
+@pytest.mark.parametrize("extra", [{}, {**EXPERTS, "--moe-layer-freq": "[0,1,1,0]"}])
+def test_gated_delta_net_layers_are_built_where_the_frequency_puts_them(extra):
+    """Layers 1-3 GatedDeltaNet with fla's submodules' local counterparts, layer 4 attention;
+    the MLPs (dense or MoE) as --moe-layer-freq says; the count as testing.model_size's."""
+    _, classes = build("pretrain_gpt", {**GDN, **extra})
+    mixers = [classes[f"decoder.layers.{layer}.self_attention"] for layer in range(4)]
+    assert mixers == ["GatedDeltaNet"] * 3 + ["SelfAttention"]
+    gdn = "decoder.layers.0.self_attention"
+    assert classes[f"{gdn}.in_proj"] == "ColumnParallelLinear"
+    assert classes[f"{gdn}.out_proj"] == "RowParallelLinear"
+    assert classes[f"{gdn}.out_norm"] == classes["decoder.layers.0.input_layernorm"]
+    assert classes["decoder.layers.3.self_attention.core_attention"] == "ReferenceCoreAttention"
+    if extra:
+        kinds = [classes[f"decoder.layers.{layer}.mlp"] for layer in range(4)]
+        assert kinds == ["MLP", "MoELayer", "MoELayer", "MLP"]
 
 
 def test_heterogeneous_layers_are_built_per_layer(heterogeneous):

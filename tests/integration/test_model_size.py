@@ -1,8 +1,8 @@
 """``testing.model_size``, the parameter count the functional cases and end-to-end runs check
 megatron's log against: computed from the flags alone, it must equal the count of the model the
 entry point builds, on every rank, in tensor / pipeline / virtual-pipeline / expert layouts, with
-experts, MTP, q/k norms, multi-latent attention and Mamba layers; and megatron's log line must
-be read."""
+experts, MTP, q/k norms, multi-latent attention, Mamba and Gated DeltaNet layers; and megatron's
+log line must be read."""
 
 import pytest
 
@@ -71,6 +71,24 @@ LAYOUTS = {
             "--untie-embeddings-and-output-weights": True,
             "--moe-shared-expert-intermediate-size": 32,
             "--moe-ffn-hidden-size": 48,
+        },
+    ),
+    "tp2, Gated DeltaNet layers 1-3, MoE layers 2 and 3, RMSNorm, swiglu": (
+        2,
+        {
+            **EXPERTS,
+            "--tensor-model-parallel-size": 2,
+            "--moe-layer-freq": "[0,1,1,0]",
+            "--num-layers": 4,
+            "--experimental-attention-variant": "gated_delta_net",
+            "--linear-attention-freq": 4,
+            "--swiglu": True,
+            "--normalization": "RMSNorm",
+            "--linear-conv-kernel-dim": 3,
+            "--linear-key-head-dim": 8,
+            "--linear-value-head-dim": 16,
+            "--linear-num-key-heads": 2,
+            "--linear-num-value-heads": 4,
         },
     ),
 }

@@ -192,6 +192,51 @@ def test_mamba_context_parallel_is_rebuilt_for_the_micro_batch_group():
         assert mixer.cp is rebuilt  # cached per group
 
 
+def gdn_stand_in():
+    """What ``swap_gdn_context_parallel`` reads and swaps on megatron's GatedDeltaNet (TP 1, static
+    CP 2): 4 key heads and 8 value heads of 8 channels."""
+    sections = (32, 32, 64, 64, 8, 8)  # q, k, v, gate, beta, alpha
+    return SimpleNamespace(
+        pg_collection=SimpleNamespace(cp=STATIC, tp="tp"),
+        cp_size=2,
+        in_proj_split_sections=sections,
+        feat_dim_split=(64, 32, 4, 4),
+        num_k_heads_local_tp=4,
+        num_v_heads_local_tp=8,
+    )
+
+
+def test_gdn_layer_switches_group_size_and_split_and_restores_them():
+    from megatron_dcp.integration.patches.gdn_switching import (
+        GDN_PATCHES,
+        swap_gdn_context_parallel,
+    )
+
+    module = gdn_stand_in()
+    shared = module.pg_collection
+    with swap_gdn_context_parallel(module, DYNAMIC):
+        assert module.pg_collection.cp is DYNAMIC and module.pg_collection.tp == "tp"
+        assert module.cp_size == 4 and module.feat_dim_split == (32, 16, 2, 2)
+    with swap_gdn_context_parallel(module, patches.SOLO_GROUP):
+        assert module.cp_size == 1 and module.feat_dim_split == (128, 64, 8, 8)
+    assert module.pg_collection is shared and shared.cp is STATIC
+    assert (module.cp_size, module.feat_dim_split) == (2, (64, 32, 4, 4))
+    eight = SimpleNamespace(size=lambda: 8, rank=lambda: 0)
+    with pytest.raises(ValueError, match="4 key and 8 value heads per TP rank .* group of 8"):
+        with swap_gdn_context_parallel(module, eight):
+            pass
+    module.feat_dim_split = (64, 64, 4, 4)  # a layout the switch does not know
+    with pytest.raises(RuntimeError, match="written for megatron-core 0.19"):
+        with swap_gdn_context_parallel(module, DYNAMIC):
+            pass
+    # The output all-to-all switches on its own too (recomputed in the backward pass).
+    (entry,) = GDN_PATCHES
+    assert [target.rsplit(".", 1)[-1] for target in entry.targets] == [
+        "forward",
+        "_gated_norm_and_a2a",
+    ]
+
+
 class FakeRouter:
     """What ``swap_moe_router_group`` touches on megatron's router: its TP×CP group, TP group and
     the method that attaches an aux loss and records it for logging."""

@@ -153,3 +153,43 @@ def test_attention_only_pattern_has_no_mamba_constraint(pretrain_mamba):
     pretrain_mamba.check_hybrid_args(
         args(**{**HYBRID, "hybrid_layer_pattern": "*-*-", "mamba_num_heads": 1})
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# pretrain_gpt with Gated DeltaNet layers: SiLU, and CP sizes the GDN heads admit
+# ------------------------------------------------------------------------------------------------
+
+# 8 key and 16 value heads; the domain (dp 2 × cp 4) has groups of 1-8.
+GDN = dict(
+    experimental_attention_variant="gated_delta_net",
+    linear_attention_freq=2,
+    swiglu=True,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+
+
+def test_gdn_flags_pass(pretrain_gpt):
+    pretrain_gpt.check_gpt_args(args(**GDN))
+    static = dict(sequence_packing_scheduler="dp_balanced", seq_length=512)
+    pretrain_gpt.check_gpt_args(args(**{**GDN, **static, "linear_num_key_heads": 4}))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(swiglu=False), "gated_delta_net needs --swiglu"),
+        (dict(mtp_num_layers=1), "--mtp-num-layers 1 with --experimental-attention-variant"),
+        (dict(linear_num_key_heads=4), r"--linear-num-key-heads 4 / TP 1 = 4 .*CP size 8 fails"),
+        (
+            dict(tensor_model_parallel_size=2),
+            r"--linear-num-key-heads 8 / TP 2 = 4 .*size 8 fails\. Raise .* multiple of 16",
+        ),
+    ],
+)
+def test_gdn_flags_rejected_before_training(pretrain_gpt, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        pretrain_gpt.check_gpt_args(args(**{**GDN, **overrides}))

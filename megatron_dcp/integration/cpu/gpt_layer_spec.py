@@ -14,7 +14,9 @@ Built from megatron-core 0.19.2's own local spec functions, then :func:`with_cor
 - ``--heterogeneous-layers-config-path``: ``get_gpt_heterogeneous_layer_spec`` (per-layer
   attention and MLP: no-op, linear replacement, own query groups or FFN size);
 - ``--mtp-num-layers``: megatron's ``mtp_block_spec`` builds the MTP layers from the same config
-  (the CPU backend's patch gives them the reference attention).
+  (the CPU backend's patch gives them the reference attention);
+- ``--experimental-attention-variant gated_delta_net``: Gated DeltaNet layers every
+  ``--linear-attention-freq``, dense or MoE MLPs (``gdn_layer_spec``).
 
 Everything else the config asks for is refused at start-up (``spec_refusals``); the spec
 function checks again, for callers that skip the entry point's start-up.
@@ -25,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_dcp.integration.cpu.core_attention import with_core_attention
+from megatron_dcp.integration.cpu.gdn_layer_spec import GDN_VARIANT, local_gdn_block_spec
 from megatron_dcp.integration.cpu.spec_refusals import check_buildable, check_heterogeneous
 from megatron_dcp.integration.megatron_import import import_megatron_core
 
@@ -51,7 +54,9 @@ def local_gpt_layer_spec(model_config: Any, vp_stage: Optional[int] = None) -> A
 def local_transformer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
     """:func:`local_gpt_layer_spec` of a ``TransformerConfig``."""
     check_buildable(config)
-    if config.num_moe_experts is not None:
+    if config.experimental_attention_variant == GDN_VARIANT:
+        spec = local_gdn_block_spec(config, vp_stage)
+    elif config.num_moe_experts is not None:
         spec = get_gpt_decoder_block_spec(
             config,
             use_transformer_engine=False,

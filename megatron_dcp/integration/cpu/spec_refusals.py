@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from megatron_dcp.integration.cpu.core_attention import check_reference_attention
+from megatron_dcp.integration.cpu.gdn_layer_spec import GDN_VARIANT
 from megatron_dcp.integration.megatron_import import import_megatron_core
 
 import_megatron_core()
@@ -171,10 +172,11 @@ def check_attention(config: Any, where: str, fix: str) -> None:
     """Attention the reference core attention, inside megatron's local modules, cannot be
     (``config``: a ``TransformerConfig`` or megatron's parsed arguments)."""
     variant = config.experimental_attention_variant
-    if variant is not None:
+    if variant not in (None, GDN_VARIANT):
         raise ValueError(
             f"--experimental-attention-variant {variant} {where}: megatron-core 0.19.2 builds "
-            f"the experimental attention variants from Transformer Engine modules only; {fix}."
+            f"it from Transformer Engine modules only (only {GDN_VARIANT} has local modules "
+            f"here); {fix}."
         )
     low_rank_query = getattr(config, "q_lora_rank", None) is not None
     if config.multi_latent_attention and config.qk_layernorm and not low_rank_query:
@@ -193,7 +195,15 @@ def check_attention(config: Any, where: str, fix: str) -> None:
 
 
 def check_heterogeneous(config: Any) -> None:
-    """megatron-core 0.19.2's heterogeneous spec reads neither experts nor the L2 q/k norm."""
+    """megatron-core 0.19.2's heterogeneous spec reads neither experts, the L2 q/k norm nor an
+    attention variant."""
+    variant = config.experimental_attention_variant
+    if variant is not None:
+        raise ValueError(
+            f"--experimental-attention-variant {variant} with --heterogeneous-layers-config-path: "
+            "megatron-core 0.19.2 builds one or the other (on a GPU the variant wins and the "
+            "heterogeneous layers are dropped); drop one of the two."
+        )
     ignored = (("--num-experts", config.num_moe_experts), ("--qk-l2-norm", config.qk_l2_norm))
     for flag, value in ignored:
         if value:

@@ -2,9 +2,9 @@
 
 Groups, applied by the functions below (each idempotent; each entry restorable):
 
-- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MLA, MTP, Mamba, MoE router,
-  TE attention), the MTP loss weighted by global token counts, and the per-micro-batch timer of
-  megatron's forward and backward steps;
+- ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MLA, MTP, Mamba, Gated
+  DeltaNet, MoE router, TE attention), the MTP loss weighted by global token counts, and the
+  per-micro-batch timer of megatron's forward and backward steps;
 - ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG, MLA's local
   down projection under TP);
@@ -44,6 +44,7 @@ from megatron_dcp.integration.patches.cpu_backend import (
     cpu_backend_enabled,
 )
 from megatron_dcp.integration.patches.dev_api import UPSTREAM_PATCHES
+from megatron_dcp.integration.patches.gdn_switching import GDN_PATCHES
 from megatron_dcp.integration.patches.gloo_pipeline import PIPELINE_PATCHES
 from megatron_dcp.integration.patches.megatron_training import TRAINING_PATCHES, use_schedule
 from megatron_dcp.integration.patches.mla_attention import MLA_PATCHES
@@ -66,6 +67,7 @@ PATCHES: Tuple[Entry, ...] = (
     *CPU_TRAINING_PATCHES,
     *DCP_PATCHES,
     *MLA_PATCHES,
+    *GDN_PATCHES,
     *MTP_PATCHES,
     *TIMING_PATCHES,
     *PIPELINE_PATCHES,

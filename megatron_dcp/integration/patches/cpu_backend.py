@@ -12,7 +12,7 @@ from typing import Any, Callable, Tuple
 
 import torch
 
-from megatron_dcp.integration.cpu import backend, mamba_kernels
+from megatron_dcp.integration.cpu import backend, gdn_kernels, mamba_kernels
 from megatron_dcp.integration.cpu.hybrid_stack import THD_INDICES, local_norm
 from megatron_dcp.integration.cpu.parallel import (
     clip_grad_by_total_norm_cpu,
@@ -81,6 +81,53 @@ MAMBA_KERNEL_PATCHES: Tuple[Patch, ...] = (
         "MambaMixer checks the mamba_ssm / causal_conv1d versions before it packs sequences; "
         "the reference kernels support packing (seq_idx).",
         _stand_in(lambda version, check_equality=True: True),
+        NO_CUDA,
+    ),
+)
+
+_GDN = "megatron.core.ssm.gated_delta_net"
+_GDN_KERNELS = (
+    "GatedDeltaNet trains with flash-linear-attention's Triton kernels (chunk_gated_delta_rule, "
+    "causal_conv1d, l2norm; imported as None without fla, and refused at construction): the "
+    "pure-torch reference kernels instead."
+)
+
+
+
+def _uncompiled(owner: Any, original: Callable) -> Callable:
+    """The function ``torch.compile`` wrapped (megatron's ``jit_fuser``)."""
+    return getattr(original, "_torchdynamo_orig_callable", original)
+
+
+GDN_KERNEL_PATCHES: Tuple[Patch, ...] = (
+    *(
+        Patch(f"gdn_{name}", "cpu_backend", (target,), _GDN_KERNELS, replace, NO_CUDA)
+        for name, target, replace in (
+            ("HAVE_FLA", f"{_GDN}.common:HAVE_FLA", _stand_in(True)),
+            ("l2norm", f"{_GDN}.common:l2norm", _stand_in(gdn_kernels.l2norm)),
+            ("causal_conv1d", f"{_GDN}.gdn:causal_conv1d", _stand_in(gdn_kernels.causal_conv1d)),
+            (
+                "chunk_gated_delta_rule",
+                f"{_GDN}.gdn:chunk_gated_delta_rule",
+                _stand_in(gdn_kernels.chunk_gated_delta_rule),
+            ),
+        )
+    ),
+    Patch(
+        "gdn_eager_helpers",
+        "cpu_backend",
+        tuple(
+            f"{_GDN}.common:_GDNBase.{name}"
+            for name in (
+                "_prepare_input_for_gated_delta_rule",
+                "_compute_g_and_beta",
+                "_apply_gated_norm",
+            )
+        ),
+        "GatedDeltaNet's element-wise helpers are torch.compile'd (jit_fuser): on CPU inductor "
+        "compiles them again for each new packed length, seconds every time on every rank, and "
+        "fuses nothing the CPU gains from; eager instead.",
+        _uncompiled,
         NO_CUDA,
     ),
 )
@@ -173,6 +220,7 @@ CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
         NO_CUDA,
     ),
     *MAMBA_KERNEL_PATCHES,
+    *GDN_KERNEL_PATCHES,
 )
 
 

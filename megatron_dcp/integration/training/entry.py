@@ -110,6 +110,15 @@ def start(
     return args, config, model_config
 
 
+def plan_cp_sizes(args: argparse.Namespace, config: DCPConfig) -> tuple:
+    """The CP sizes a plan may give a sequence: the static size under ``dp_balanced``, else every
+    group size of the DP×CP domain."""
+    if config.scheduler == "dp_balanced":
+        return (args.context_parallel_size,)
+    domain_size = args.data_parallel_size * args.context_parallel_size
+    return config.build_scheduler(domain_size).domain.group_sizes
+
+
 def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConfig:
     """Every DCP setting checked before the first step (ValueErrors naming the flag)."""
     if not args.dynamic_context_parallel:
