@@ -222,7 +222,8 @@ def check_mamba_cp(nheads: int, ngroups: int, tp: int, cp_sizes: Sequence[int]) 
 def check_gdn_args(args: Any, cp_sizes: Sequence[int]) -> None:
     """A Gated DeltaNet hybrid's flags (megatron's parsed ``args``), before megatron builds it:
     the SiLU its convolution asserts at the first forward, no MTP block (megatron.training
-    cannot build one), and :func:`check_gdn_cp`."""
+    cannot build one), :func:`check_gdn_cp`, and sequence parallelism with TP (the output
+    norm's gradient)."""
     if not getattr(args, "swiglu", False):
         raise ValueError(
             "--experimental-attention-variant gated_delta_net needs --swiglu: megatron-core "
@@ -239,6 +240,15 @@ def check_gdn_args(args: Any, cp_sizes: Sequence[int]) -> None:
         )
     tp = args.tensor_model_parallel_size
     check_gdn_cp(args.linear_num_key_heads, args.linear_num_value_heads, tp, cp_sizes)
+    if tp > 1 and not getattr(args, "sequence_parallel", False):
+        raise ValueError(
+            f"--experimental-attention-variant gated_delta_net with --tensor-model-parallel-size "
+            f"{tp} needs --sequence-parallel: in megatron-core 0.19.2 every TP rank holds the "
+            "whole GDN output-norm weight but computes its gradient from its own heads only, and "
+            "finalize_model_grads sums such gradients over TP only for sequence-parallel "
+            "parameters, so without it the replicas drift apart (with static CP too). Add "
+            "--sequence-parallel."
+        )
 
 
 def check_gdn_cp(key_heads: int, value_heads: int, tp: int, cp_sizes: Sequence[int]) -> None:

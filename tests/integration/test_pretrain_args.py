@@ -176,6 +176,8 @@ def test_gdn_flags_pass(pretrain_gpt):
     pretrain_gpt.check_gpt_args(args(**GDN))
     static = dict(sequence_packing_scheduler="dp_balanced", seq_length=512)
     pretrain_gpt.check_gpt_args(args(**{**GDN, **static, "linear_num_key_heads": 4}))
+    tp2 = dict(tensor_model_parallel_size=2, linear_num_key_heads=16, linear_num_value_heads=32)
+    pretrain_gpt.check_gpt_args(args(**{**GDN, **tp2, "sequence_parallel": True}))
 
 
 @pytest.mark.parametrize(
@@ -187,6 +189,10 @@ def test_gdn_flags_pass(pretrain_gpt):
         (
             dict(tensor_model_parallel_size=2),
             r"--linear-num-key-heads 8 / TP 2 = 4 .*size 8 fails\. Raise .* multiple of 16",
+        ),
+        (
+            dict(tensor_model_parallel_size=2, linear_num_key_heads=16, linear_num_value_heads=32),
+            r"--tensor-model-parallel-size 2 needs --sequence-parallel: .*output-norm weight",
         ),
     ],
 )
