@@ -73,11 +73,12 @@ LAYOUTS = {
             "--moe-ffn-hidden-size": 48,
         },
     ),
-    "tp2, Gated DeltaNet layers 1-3, MoE layers 2 and 3, RMSNorm, swiglu": (
+    "tp2 with SP, Gated DeltaNet layers 1-3, MoE layers 2 and 3, RMSNorm, swiglu": (
         2,
         {
             **EXPERTS,
             "--tensor-model-parallel-size": 2,
+            "--sequence-parallel": True,
             "--moe-layer-freq": "[0,1,1,0]",
             "--num-layers": 4,
             "--experimental-attention-variant": "gated_delta_net",
