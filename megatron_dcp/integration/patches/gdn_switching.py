@@ -18,11 +18,10 @@ forward's switch, with the micro-batch's ``packed_seq_params`` among its argumen
 
 from __future__ import annotations
 
-import copy
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, Tuple
 
-from megatron_dcp.integration.patches.cp_switching import switching
+from megatron_dcp.integration.patches.cp_switching import swap_pg_collection_cp, switching
 from megatron_dcp.integration.patches.table import Patch, swapped_attribute
 
 GDN_MODULE = "megatron.core.ssm.gated_delta_net"
@@ -62,10 +61,8 @@ def swap_gdn_context_parallel(module: Any, group: Any) -> Iterator[None]:
     ``cp`` is the group), ``cp_size`` and ``feat_dim_split`` for its size."""
     size = group.size()
     check_gdn_group(module, size)
-    collection = copy.copy(module.pg_collection)
-    collection.cp = group
     with ExitStack() as stack:
-        stack.enter_context(swapped_attribute(module, "pg_collection", collection))
+        stack.enter_context(swap_pg_collection_cp(module, group))
         stack.enter_context(swapped_attribute(module, "cp_size", size))
         stack.enter_context(
             swapped_attribute(module, "feat_dim_split", feat_dim_split_for(module, size))
