@@ -223,8 +223,8 @@ PATCH_MUTANTS = (
     Mutant(
         "patch-gdn-static-cp",
         PATCHES + "gdn_switching.py",
-        'stack.enter_context(swapped_attribute(module, "pg_collection", collection))',
-        'stack.enter_context(swapped_attribute(module, "pg_collection", module.pg_collection))',
+        "stack.enter_context(swap_pg_collection_cp(module, group))",
+        "stack.enter_context(swap_pg_collection_cp(module, module.pg_collection.cp))",
         (PATCH_TESTS, "tests/integration/test_dcp_gdn.py"),
         "gdn_context_parallel: the GDN all-to-alls keep the static CP group",
     ),
