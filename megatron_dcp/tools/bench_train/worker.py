@@ -199,12 +199,20 @@ def append_line(path: Path, record: Dict[str, Any]) -> None:
         out.write(json.dumps(record) + "\n")
 
 
-def main() -> None:
-    """Run the entry point named by the spec with the benchmark's dataset and schedule."""
+def main(
+    schedule_class_of: Callable[[BenchSpec], type] = bench_schedule_class,
+    before_prepare: Optional[Callable[[], None]] = None,
+) -> None:
+    """Run the entry point named by the spec with the benchmark's dataset and the schedule
+    ``schedule_class_of(spec)``; ``before_prepare`` runs once the entry point is imported (the
+    CPU backend on) and before it parses the arguments (``megatron-dcp check``'s planted defect)."""
     import importlib
 
     spec = BenchSpec.from_env()
-    args, config, model_config = importlib.import_module(f"megatron_dcp.{spec.entry}").prepare()
+    entry = importlib.import_module(f"megatron_dcp.{spec.entry}")
+    if before_prepare is not None:
+        before_prepare()
+    args, config, model_config = entry.prepare()
     from megatron_dcp.integration.training.entry import datasets_provider, train
 
     train(
@@ -212,7 +220,7 @@ def main() -> None:
         config,
         model_config,
         datasets=repeated_provider(datasets_provider, spec, args.global_batch_size),
-        schedule_class=bench_schedule_class(spec),
+        schedule_class=schedule_class_of(spec),
     )
 
 

@@ -25,7 +25,8 @@ from typing import Any, Dict, Tuple
 import torch
 
 from megatron_dcp.tools.bench_train.arms import arm_at
-from megatron_dcp.tools.bench_train.worker import BenchSpec, bench_schedule_class, repeated_provider
+from megatron_dcp.tools.bench_train.worker import BenchSpec, bench_schedule_class
+from megatron_dcp.tools.bench_train.worker import main as bench_worker_main
 from megatron_dcp.tools.check.reordered import REORDERED, check_schedulers
 from megatron_dcp.tools.check.layout_runs import RANKS_DIR
 
@@ -107,24 +108,15 @@ def check_schedule_class(spec: BenchSpec) -> type:
     return CheckSchedule
 
 
-def main() -> None:
-    """The entry point of the spec, the planted defect if asked for, the check's schedule."""
-    import importlib
-
-    spec = BenchSpec.from_env()
-    entry = importlib.import_module(f"megatron_dcp.{spec.entry}")  # enables the CPU backend
+def plant_defect() -> None:
+    """The planted defect, if the test asked for one (module docstring)."""
     if os.environ.get(NOOP_VARIABLE):
         neutralize(os.environ[NOOP_VARIABLE])
-    args, config, model_config = entry.prepare()
-    from megatron_dcp.integration.training.entry import datasets_provider, train
 
-    train(
-        args,
-        config,
-        model_config,
-        datasets=repeated_provider(datasets_provider, spec, args.global_batch_size),
-        schedule_class=check_schedule_class(spec),
-    )
+
+def main() -> None:
+    """bench-train's worker with the check's schedule and the planted defect if asked for."""
+    bench_worker_main(check_schedule_class, plant_defect)
 
 
 if __name__ == "__main__":
