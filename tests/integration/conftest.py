@@ -1,4 +1,5 @@
-"""Fixtures shared by the integration tests, and the ``link_shaping`` marker: a test that shapes
+"""Fixtures shared by the integration tests (the CPU backend for one test, float64 as the default
+dtype for one test), and the ``link_shaping`` marker: a test that shapes
 links (``--link-rate``: network namespaces and tc) is skipped, with the reason, unless this is
 root with the tools that ``--nodes`` (the marker's ``nodes``, default 1) needs on PATH."""
 
@@ -6,6 +7,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from megatron_dcp.integration.patches import (
     cpu_backend_enabled,
@@ -22,6 +24,16 @@ def cpu_backend():
     yield enable_cpu_backend()
     if not was_enabled:
         disable_cpu_backend()
+
+
+@pytest.fixture
+def float64():
+    """float64 as the default dtype inside one test only (the default is process-wide); the
+    reference-kernel tests use it for every test (``pytest.mark.usefixtures("float64")``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -12,17 +12,10 @@ from megatron_dcp.integration.cpu import gdn_kernels
 from megatron_dcp.integration.cpu.gdn_kernels import causal_conv1d, chunk_gated_delta_rule, l2norm
 from megatron_dcp.integration.megatron_import import import_megatron_core
 
+pytestmark = pytest.mark.usefixtures("float64")  # tests/integration/conftest.py
+
 LENGTHS = ([7, 1, 12], [20])
 HEADS, KEY_DIM, VALUE_DIM, WIDTH = 2, 3, 4, 4
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    """float64 inside each test only (the default dtype is process-wide)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
 
 
 def naive_delta_rule(q, k, v, g, beta, lengths, scale):

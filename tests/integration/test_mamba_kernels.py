@@ -14,13 +14,7 @@ from megatron_dcp.integration.cpu.mamba_kernels import (
 )
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """float64 inside each test only (the default dtype is process-wide)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tests/integration/conftest.py
 
 
 def naive_conv(x, weight, bias, lengths, silu):
