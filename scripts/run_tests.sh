@@ -1,20 +1,14 @@
 #!/usr/bin/env bash
-# Set up the environment if needed, then run every test: tests/ and functional_tests/ (the latter
-# only when it holds test files, since pytest exits 5 on a directory without tests).
-# Extra arguments go to pytest, e.g. `bash scripts/run_tests.sh -x -k workloads`.
+# Set up the environment if needed, then run every test: tests/ and functional_tests/.
+# First the collection is counted per layer (unit, distributed, integration, functional, gpu) and
+# held to the floors in tests/collection_floors.json (scripts/count_tests.py): a layer that
+# collects fewer tests, a collection error or a lost directory fails the run before any test runs.
+# Extra arguments go to pytest, e.g. `bash scripts/run_tests.sh -x -k workloads`; the count is of
+# the whole collection whatever they select.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 
-dirs=()
-for dir in tests functional_tests; do
-  if [ -d "$dir" ] && find "$dir" -name 'test_*.py' -o -name '*_test.py' | grep -q .; then
-    dirs+=("$dir")
-  fi
-done
-if [ ${#dirs[@]} -eq 0 ]; then
-  echo "run_tests: no test files found under tests/ or functional_tests/" >&2
-  exit 1
-fi
+.venv/bin/python scripts/count_tests.py tests functional_tests
 # --durations=15: the slowest fifteen tests close the output, where a slower suite shows first.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "${dirs[@]}" "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests functional_tests "$@"

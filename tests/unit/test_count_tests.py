@@ -1,0 +1,82 @@
+"""The collection count that opens every test run (``scripts/count_tests.py``): files map to
+their layers, a lost layer or file falls below its floor, a file outside every layer and a
+collection error fail, and the recorded floors are met by the collection of this checkout."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "count_tests.py"
+
+
+def load_counter():
+    spec = importlib.util.spec_from_file_location("count_tests", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("count_tests", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+counter = load_counter()
+LISTING = """tests/unit/test_a.py: 3
+tests/unit/scheduling/test_b.py: 4
+tests/distributed/test_c.py: 2
+tests/integration/test_d.py: 5
+tests/gpu/test_e.py: 1
+functional_tests/test_f.py: 6
+
+7 warnings
+"""
+FULL = {"unit": 7, "distributed": 2, "integration": 5, "functional": 6, "gpu": 1}
+
+
+def test_every_file_counts_in_its_layer():
+    assert counter.count_by_layer(LISTING) == FULL
+
+
+def test_a_file_outside_every_layer_is_refused():
+    with pytest.raises(ValueError, match="tests/test_stray.py"):
+        counter.count_by_layer(LISTING + "tests/test_stray.py: 2\n")
+
+
+def test_counts_at_their_floors_pass():
+    assert counter.shortfalls(FULL, FULL) == []
+
+
+def test_a_lost_directory_fails_every_layer_it_held():
+    only_functional = counter.count_by_layer("functional_tests/test_f.py: 6\n")
+    problems = counter.shortfalls(only_functional, FULL)
+    assert [p.split(":")[0] for p in problems] == ["unit", "distributed", "integration", "gpu"]
+
+
+def test_a_lost_file_falls_below_its_layers_floor():
+    listing = LISTING.replace("tests/distributed/test_c.py: 2\n", "")
+    problems = counter.shortfalls(counter.count_by_layer(listing), FULL)
+    assert problems == ["distributed: 0 tests collected, floor 2"]
+
+
+def test_a_layer_without_a_floor_fails():
+    floors = {layer: n for layer, n in FULL.items() if layer != "gpu"}
+    assert counter.shortfalls(FULL, floors) == ["gpu: no floor recorded in collection_floors.json"]
+
+
+def test_raising_never_lowers_a_floor():
+    counts = {**FULL, "unit": 9, "gpu": 0}
+    assert counter.raised(counts, FULL) == {**FULL, "unit": 9}
+
+
+def test_a_collection_error_is_a_failure(tmp_path):
+    broken = tmp_path / "test_broken.py"
+    broken.write_text("import module_that_does_not_exist\n\ndef test_x():\n    pass\n")
+    with pytest.raises(RuntimeError, match="collection failed"):
+        counter.collect([str(broken)])
+
+
+def test_the_recorded_floors_name_every_layer():
+    floors = json.loads(counter.FLOORS.read_text())
+    assert sorted(floors) == sorted(counter.LAYERS)
+    assert all(isinstance(n, int) and n > 0 for n in floors.values())
