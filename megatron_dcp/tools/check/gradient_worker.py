@@ -9,6 +9,10 @@ The run trains with ``--lr 0`` (the command sets it), so every arm of a batch st
 weights. The gradients are megatron's after its finalisation (``main_grad``: summed over DP×CP
 and divided by the global token count), read where the schedule returns.
 
+For the reference arm (``tools.check.reference_arm``) the workers also leave the model's
+description, their weights, every batch's samples as the data loader delivered them and the
+static and DCP arms' gradients by single-process name (``tools.check.reference_records``).
+
 Planted defect (tests only): ``MEGATRON_DCP_CHECK_NOOP_PATCH=<entry>`` turns that entry of the
 patch table into a no-op before training applies the table (the entry counts as applied, its
 targets keep megatron's originals), so that ``check`` can be seen to fail.
@@ -20,18 +24,21 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from megatron_dcp.tools.bench_train.arms import arm_at
 from megatron_dcp.tools.bench_train.worker import BenchSpec, bench_schedule_class
 from megatron_dcp.tools.bench_train.worker import main as bench_worker_main
-from megatron_dcp.tools.check.reordered import REORDERED, check_schedulers
+from megatron_dcp.tools.check import reference_records as records
+from megatron_dcp.tools.check.global_names import by_global_name, unwrap
 from megatron_dcp.tools.check.layout_runs import RANKS_DIR
+from megatron_dcp.tools.check.reordered import REORDERED, check_schedulers
 
 NOOP_VARIABLE = "MEGATRON_DCP_CHECK_NOOP_PATCH"
 Held = Tuple[Tuple[float, int], Dict[str, torch.Tensor]]
+REFERENCE_ARMS = ("static", "dcp")  # the arms compared with the reference arm
 
 
 def neutralize(name: str) -> None:
@@ -50,16 +57,46 @@ def neutralize(name: str) -> None:
 
 
 def rank_gradients(model: Any) -> Dict[str, torch.Tensor]:
-    """This rank's gradient of every parameter (float64 copies), by chunk and local name."""
+    """This rank's gradient of every parameter (float64 copies), by single-process name."""
     chunks = model if isinstance(model, list) else [model]
-    grads = {}
-    for index, chunk in enumerate(chunks):
-        for name, param in chunk.named_parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            if grad is not None:
-                grads[f"{index}.{name}"] = grad.detach().double().clone()
-    return grads
+    return {name: grad.double() for name, grad in by_global_name(chunks, True).items()}
+
+
+class SampleRecorder:
+    """Passes the items of ``inner`` through and saves each global batch's samples as read the
+    first time (``arms`` copies of every batch come in a row, ``per_batch`` samples each; the
+    DCP wrapper may read a batch ahead of its step, so the samples are counted, not timed)."""
+
+    def __init__(self, inner: Any, per_batch: int, arms: int, out: Path) -> None:
+        self.inner, self.per_batch, self.arms, self.out = inner, per_batch, arms, out
+        self.samples: list = []
+        self.read = 0
+
+    def __iter__(self) -> "SampleRecorder":
+        return self
+
+    def __next__(self) -> Any:
+        from megatron_dcp.integration.forward_backward import as_sample
+
+        item = next(self.inner)
+        served, _ = divmod(self.read, self.per_batch)
+        self.read += 1
+        if served % self.arms == 0:  # the first copy of batch served // arms
+            self.samples.append({k: v.clone() for k, v in as_sample(item).items()})
+            if len(self.samples) == self.per_batch:
+                records.save_samples(self.out, served // self.arms, self.samples)
+                self.samples = []
+        return item
+
+
+def save_reference_inputs(out: Path, model: Any) -> None:
+    """The model's description (rank 0) and this rank's weights, once, before the first step."""
+    import torch.distributed as dist
+
+    chunks = model if isinstance(model, list) else [model]
+    if dist.get_rank() == 0:
+        records.save_model(out, unwrap(chunks[0]))
+    records.save_weights(out, dist.get_rank(), by_global_name(chunks, False))
 
 
 def largest(tensor: torch.Tensor) -> float:
@@ -88,16 +125,39 @@ def check_schedule_class(spec: BenchSpec) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.held: Dict[str, Held] = {}
+            self.recorder: Optional[SampleRecorder] = None
 
         def __call__(self, **kwargs: Any) -> Any:
+            if kwargs.get("forward_only", False):
+                return super().__call__(**kwargs)
+            if self.calls == 0:
+                save_reference_inputs(Path(spec.out), kwargs["model"])
             losses = super().__call__(**kwargs)
-            if not kwargs.get("forward_only", False):
-                batch, arm = arm_at(self.calls, spec.arms)
-                self.held[arm] = (global_loss(losses), rank_gradients(kwargs["model"]))
-                if len(self.held) == len(spec.arms):
-                    self.write(batch_record(batch, self.held))
-                    self.held = {}
+            batch, arm = arm_at(self.calls, spec.arms)
+            self.held[arm] = (global_loss(losses), rank_gradients(kwargs["model"]))
+            if len(self.held) == len(spec.arms):
+                self.write(batch_record(batch, self.held))
+                self.save_gradients(batch)
+                self.held = {}
             return losses
+
+        def digesting(self, data_iterator: Any, kwargs: dict) -> Any:
+            """bench-train's digesting iterator; on rank 0 its samples also recorded."""
+            digesting = super().digesting(data_iterator, kwargs)
+            if dist.get_rank() != 0:
+                return digesting
+            first = digesting[0] if isinstance(digesting, list) else digesting
+            if self.recorder is None or self.recorder.inner is not first:
+                per_batch = kwargs["num_microbatches"] * kwargs.get("micro_batch_size", 1)
+                self.recorder = SampleRecorder(first, per_batch, len(spec.arms), Path(spec.out))
+            if isinstance(digesting, list):
+                return [self.recorder, *digesting[1:]]
+            return self.recorder
+
+        def save_gradients(self, batch: int) -> None:
+            by_arm = {arm: (loss, {n: g.float() for n, g in grads.items()})
+                      for arm, (loss, grads) in self.held.items() if arm in REFERENCE_ARMS}  # fmt: skip
+            records.save_gradients(Path(spec.out), batch, dist.get_rank(), by_arm)
 
         def write(self, record: Dict[str, Any]) -> None:
             path = Path(spec.out) / RANKS_DIR / f"rank{dist.get_rank()}.jsonl"

@@ -1,20 +1,28 @@
 """One layout of ``megatron-dcp check``: a ``bench-train`` run (``cli.bench_train.run_bench``, the
-launcher bench-train uses) of the check's arms by the check's worker, and what it found: the
-CP sizes every arm planned, the loss and gradient differences of every batch, the step times."""
+launcher bench-train uses) of the check's arms by the check's worker, then the reference arm
+(``tools.check.reference_arm``, its own process) on what the workers trained on, and what both
+found: the CP sizes every arm planned, static CP's and DCP's distance from the reference and
+DCP's from static CP, per batch, loss and every gradient, and the step times."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.results import BenchResult, read_plans
+from megatron_dcp.tools.check import reference_records
 from megatron_dcp.tools.check.reordered import CHECK_ARMS, REORDERED
 from megatron_dcp.tools.check.tolerance import Difference
 
 WORKER = "tools.check.gradient_worker"
+REFERENCE_ARM = "megatron_dcp.tools.check.reference_arm"
+FINDINGS = "findings.json"  # the reference arm's, in its folder
 RANKS_DIR = "check"  # the workers' findings, rank<r>.jsonl
 BATCHES, WARMUP = 3, 1  # the smoke figure compares the last two
 
@@ -50,6 +58,9 @@ class LayoutResult:
     speed: Optional[Dict[str, float]] = None
     error: Optional[str] = None
     training_flags: List[str] = field(default_factory=list)  # what the workers were started with
+    reference: List[Difference] = field(default_factory=list)  # static and DCP against it
+    reference_tokens: List[str] = field(default_factory=list)  # token counts that differ from it
+    reference_error: Optional[str] = None  # why the reference arm did not finish
 
     def mixes(self) -> bool:
         """DCP planned at least one batch on two or more CP sizes."""
@@ -71,8 +82,8 @@ def layouts_for(nproc: int) -> List[Layout]:
 
 
 def run_layout(layout: Layout, flags: Sequence[str], out: Path, timeout_s: float) -> LayoutResult:
-    """Run the check's arms on ``layout`` with the training ``flags``; raises TrainingRunError
-    when training fails."""
+    """Run the check's arms on ``layout`` with the training ``flags``, then the reference arm;
+    raises TrainingRunError when training fails."""
     from megatron_dcp.tools.cli.bench_train import run_bench
 
     options = argparse.Namespace(out=out, nproc=layout.nproc, batches=BATCHES, warmup=WARMUP)
@@ -80,10 +91,44 @@ def run_layout(layout: Layout, flags: Sequence[str], out: Path, timeout_s: float
     (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     for stale in (out / RANKS_DIR).glob("rank*.jsonl"):
         stale.unlink()
+    reference_records.clear(out)
     bench = run_bench(
         options, CHECK_ARMS, [*flags, *layout.flags()], worker=WORKER, timeout_s=timeout_s
     )
-    return read_result(layout, out, bench)
+    result = read_result(layout, out, bench)
+    add_reference(result, out, precision_of(flags), timeout_s)
+    return result
+
+
+def precision_of(flags: Sequence[str]) -> str:
+    """The run's precision, as the reference arm names it."""
+    return "bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32"
+
+
+def add_reference(result: LayoutResult, out: Path, precision: str, timeout_s: float) -> None:
+    """Run the reference arm in a fresh interpreter that sees no GPU, and read its findings."""
+    command = [sys.executable, "-m", REFERENCE_ARM, "--out", str(out), "--precision", precision]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env,
+                              timeout=timeout_s, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        result.reference_error = f"the reference arm ran past {timeout_s:.0f} s"
+        return
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        result.reference_error = f"the reference arm failed: {tail[0]}"
+        return
+    findings = json.loads((out / reference_records.REFERENCE_DIR / FINDINGS).read_text())
+    for found in findings:
+        where = f"batch {found['batch']} {found['arm']} rank{found['rank']} {found['name']}"
+        result.reference.append(
+            Difference(where, found["magnitude"], found["rounding"], found["difference"],
+                       runs=1, eps=found["eps"])  # fmt: skip
+        )
+        tokens = found.get("tokens")
+        if tokens and tokens[0] != tokens[1]:
+            result.reference_tokens.append(f"{where}: {tokens[0]} tokens, the reference {tokens[1]}")
 
 
 def read_result(layout: Layout, out: Path, bench: BenchResult) -> LayoutResult:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from megatron_dcp.tools.check.reordered import CHECK_ARMS
 from megatron_dcp.tools.check.layout_runs import LayoutResult
-from megatron_dcp.tools.check.tolerance import ERROR_FACTOR, FLOOR_ULPS, Difference
+from megatron_dcp.tools.check.tolerance import CEILING, ERROR_FACTOR, FLOOR_ULPS, Difference
 
 PREFIX = "megatron-dcp check:"
 WORST_KEPT = 10  # gradient tensors listed per layout in the JSON, largest margin first
@@ -35,6 +35,7 @@ def failures(result: LayoutResult) -> List[str]:
         found.append(f"{where}: the arms counted different loss tokens {result.tokens}")
     if not result.loss or not result.gradients:
         found.append(f"{where}: the workers recorded no loss or gradients")
+    found += reference_failures(result)
     for difference in (worst(result.loss), worst(result.gradients)):
         if difference is not None and not difference.passed:
             found.append(
@@ -44,20 +45,49 @@ def failures(result: LayoutResult) -> List[str]:
     return found
 
 
+def reference_failures(result: LayoutResult) -> List[str]:
+    """Why the comparison with the reference arm fails (module docstring of ``reference_arm``)."""
+    where = str(result.layout)
+    if result.reference_error is not None:
+        return [f"{where}: {result.reference_error}"]
+    if not result.reference:
+        return [f"{where}: the reference arm compared nothing"]
+    found = [f"{where}: {mismatch}" for mismatch in result.reference_tokens[:1]]
+    undecided = [d for d in result.reference if not d.decidable]
+    if undecided:
+        d = max(undecided, key=lambda d: d.allowed / d.magnitude)
+        found.append(
+            f"{where}: cannot decide: {d.name}'s tolerance is {d.allowed / d.magnitude:.2g} of "
+            f"its magnitude, over the ceiling {CEILING:g}"
+        )
+    top = worst(result.reference)
+    if top is not None and not top.passed:
+        found.append(
+            f"{where}: {top.name} differs from the reference by {top.difference:.3g} "
+            f"({top.relative:.2g} of its largest value {top.magnitude:.3g}), "
+            f"{top.margin:.3g}x its tolerance"
+        )
+    return found
+
+
 def verdict_line(results: Sequence[LayoutResult], problems: Sequence[str]) -> str:
     if problems:
         return f"{PREFIX} FAIL: " + "; ".join(problems)
     losses = [d for r in results for d in r.loss]
     grads = [d for r in results for d in r.gradients]
+    reference = [d for r in results for d in r.reference]
     margin = max(d.margin for d in [*losses, *grads])
     sizes = sorted({s for r in results for batch in r.cp_sizes["dcp"] for s in batch})
     speed = results[0].speed or {}
     return (
-        f"{PREFIX} PASS: DCP equals static CP on {', '.join(str(r.layout) for r in results)} "
-        f"(DCP's CP sizes {sizes}): loss max rel. diff {max(d.relative for d in losses):.1e}, "
-        f"gradients {max(d.relative for d in grads):.1e} (at most {margin:.2f} of the "
-        f"tolerance); smoke speed, not a benchmark: DCP {speed.get('dcp_tokens_per_s', 0):.0f} "
-        f"tokens/s, speedup over static CP {speed.get('dcp_speedup', 0):.2f}x"
+        f"{PREFIX} PASS: static CP and DCP equal the reference (float64, no DCP, one sequence at "
+        f"a time) on {', '.join(str(r.layout) for r in results)} (DCP's CP sizes {sizes}): "
+        f"gradients max rel. diff {max(d.relative for d in reference):.1e} (at most "
+        f"{max(d.margin for d in reference):.2f} of the tolerance); DCP equals static CP: loss "
+        f"{max(d.relative for d in losses):.1e}, gradients {max(d.relative for d in grads):.1e} "
+        f"(at most {margin:.2f}); smoke speed, not a benchmark: DCP "
+        f"{speed.get('dcp_tokens_per_s', 0):.0f} tokens/s, speedup over static CP "
+        f"{speed.get('dcp_speedup', 0):.2f}x"
     )
 
 
@@ -76,6 +106,7 @@ def describe(result: LayoutResult) -> List[str]:
                 f"worst against its tolerance: {top.name} {top.difference:.3g} (allowed "
                 f"{top.allowed:.3g}, {top.margin:.3f} of it)"
             )
+    lines += reference_lines(result)
     if result.speed:
         s = result.speed
         shared = " (ranks share cores)" if s["oversubscribed"] else ""
@@ -87,8 +118,27 @@ def describe(result: LayoutResult) -> List[str]:
     return lines
 
 
+def reference_lines(result: LayoutResult) -> List[str]:
+    """The reference arm's findings: per arm, the worst quantity against its tolerance."""
+    if result.reference_error is not None:
+        return [f"{result.layout}: reference arm: {result.reference_error}"]
+    lines = []
+    for arm in ("static", "dcp"):
+        mine = [d for d in result.reference if f" {arm} rank" in d.name]
+        top = worst(mine)
+        if top is not None:
+            lines.append(
+                f"{result.layout}: {arm} against the reference: max rel. diff "
+                f"{max(d.relative for d in mine):.2e} over {len(mine)} comparisons; worst "
+                f"against its tolerance: {top.name} {top.difference:.3g} of largest value "
+                f"{top.magnitude:.3g} (allowed {top.allowed:.3g}, {top.margin:.3f} of it)"
+            )
+    return lines
+
+
 def layout_json(result: LayoutResult) -> Dict[str, Any]:
     ranked = sorted(result.gradients, key=lambda d: d.margin, reverse=True)
+    reference = sorted(result.reference, key=lambda d: d.margin, reverse=True)
     return {
         "layout": str(result.layout),
         "error": result.error,
@@ -100,6 +150,12 @@ def layout_json(result: LayoutResult) -> Dict[str, Any]:
             "max_relative": max((d.relative for d in ranked), default=None),
             "worst": [difference_json(d) for d in ranked[:WORST_KEPT]],
         },
+        "reference": {
+            "error": result.reference_error,
+            "compared": len(reference),
+            "max_relative": max((d.relative for d in reference), default=None),
+            "worst": [difference_json(d) for d in reference[:WORST_KEPT]],
+        },
         "speed": result.speed,
         "training_flags": result.training_flags,
         "failures": failures(result),
@@ -107,14 +163,18 @@ def layout_json(result: LayoutResult) -> Dict[str, Any]:
 
 
 def difference_json(d: Difference) -> Dict[str, Any]:
-    extra = {"allowed": d.allowed, "relative": d.relative, "margin": d.margin, "passed": d.passed}
+    extra = {"allowed": d.allowed, "relative": d.relative, "margin": d.margin, "passed": d.passed,
+             "decidable": d.decidable}  # fmt: skip
     return {**asdict(d), **extra}
 
 
 TOLERANCE_RULE = (
-    f"DCP within 2 x {ERROR_FACTOR:g} x max(measured rounding, {FLOOR_ULPS:g} float32 ulps of "
-    "the largest magnitude) of static CP, per quantity; measured rounding: static CP against "
-    "static CP with the same plan in reverse order (tools/check/tolerance.py)"
+    f"static CP and DCP each within {ERROR_FACTOR:g} x max(measured rounding, {FLOOR_ULPS:g} ulps "
+    "of the run's precision at the largest magnitude) of the reference arm's float64 values, per "
+    "quantity; measured rounding: the reference at the run's precision in two sample orders; a "
+    f"tolerance over {CEILING:g} of the magnitude cannot decide (FAIL). Second line: DCP within "
+    "twice that of static CP, rounding measured by static CP with its plan in reverse order "
+    "(tools/check/tolerance.py)"
 )
 
 
