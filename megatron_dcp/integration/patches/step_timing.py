@@ -1,8 +1,8 @@
 """The timing entries of the patch table: the busy seconds of megatron's forward and backward
 steps on this rank, per micro-batch, for the ``[DCP]`` log line's measured step time and the
-online refinement of the cost model (``integration.training.dcp_schedule``). Nothing here runs
-unless the DCP schedule times its step (``--dcp-cost-adapt on`` or a tool that asks for the
-times, ``DCPConfig.time_steps``).
+online refinement of the cost model (``integration.training.dcp_schedule``). A clock is made
+only while the DCP schedule times a training step (``--dcp-cost-adapt on``, or a tool that asks
+for the times: ``DCPConfig.time_steps``); otherwise the patched steps are megatron's.
 
 megatron's schedules call the module functions ``schedules.forward_step`` and
 ``schedules.backward_step`` once per micro-batch (and model chunk). While a :class:`BusyClock`
@@ -23,7 +23,9 @@ both are the originals.
 How a step is timed: on CUDA (``torch.cuda.is_initialized()`` when the clock is made) each timed
 call records a CUDA event at its start and one at its end on the current stream, without any
 synchronisation, so the host keeps queueing kernels ahead; :meth:`BusyClock.settle` reads them
-once the step has run, after one synchronisation (its last event). On CPU the host's
+once the step has run, after one synchronisation (its last event). A pair of events spans the
+current stream's work between them, what that stream waits for included (other streams' work
+it joins). On CPU the host's
 ``perf_counter`` times each call as it returns (CPU work has finished then). Cost per timed call:
 two events (or two clock reads) and two dictionary operations.
 """
