@@ -8,7 +8,8 @@ with ``ValueError``s that name the flag, the value and the fix.
 
 The cost model the scheduler plans with is the trained model's (its shape on the backend's
 hardware profile, ``integration.model_cost``) unless ``--dcp-cost-profile`` gives a measured one;
-``--dcp-cost-adapt`` refines it from measured step times while training runs.
+``--dcp-cost-adapt`` refines it from measured step times while training runs; only then, or with
+``--dcp-time-steps on`` (what the measuring tools set), are training steps timed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ HARDWARE_FLAG = "--dcp-hardware-profile"
 LINK_BANDWIDTH_FLAG = "--dcp-link-bandwidth"
 INTER_NODE_BANDWIDTH_FLAG = "--dcp-inter-node-link-bandwidth"
 COST_ADAPT_FLAG = "--dcp-cost-adapt"
+TIME_STEPS_FLAG = "--dcp-time-steps"
 PREFETCH_FLAG = "--dcp-prefetch"
 ROUTING_FLAG = "--dcp-routing"
 DEFAULT_SCHEDULER = "default_dynamic_cp"
@@ -187,6 +189,14 @@ def add_cost_args(group: Any) -> None:
         help="Refine the cost model after every training step from the measured "
         "forward-backward times of the DP×CP ranks (default on).",
     )
+    group.add_argument(
+        TIME_STEPS_FLAG,
+        default="off",
+        choices=("on", "off"),
+        help="Time every training step's forward and backward steps (the measured figures of "
+        "the [DCP] log line) also with --dcp-cost-adapt off: one device synchronisation and "
+        "one small all-gather per step (default off; the refinement times them anyway).",
+    )
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,9 @@ class DCPConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     cost_model: Optional[CostModel] = None
     cost_adapt: bool = True
+    # Time the training steps also with cost_adapt off (the measured [DCP] figures; the
+    # measuring tools set it): one synchronisation and one small all-gather per step.
+    time_steps: bool = False
     # Ranks per node (None: one node) and the hardware profile whose two link tiers price the
     # CP groups that cross a node boundary (None: by backend).
     ranks_per_node: Optional[int] = None
@@ -227,6 +240,11 @@ class DCPConfig:
         check_budget(self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel)
         check_scheduler(self.scheduler)
         check_cost(self.cost_model, self.cost_adapt)
+        if not isinstance(self.time_steps, bool):
+            raise ValueError(
+                f"{TIME_STEPS_FLAG}={self.time_steps!r}: must be on or off "
+                "(DCPConfig.time_steps: bool)."
+            )
         check_link_bandwidths(self.link_bandwidth, self.inter_node_link_bandwidth)
         check_pack_padding(
             self.pack_padding, self.max_seqlen_per_dp_cp_rank, self.tp_size, self.sequence_parallel
@@ -271,6 +289,7 @@ class DCPConfig:
             ),
             cost_model=cost_model_from_args(args),
             cost_adapt=getattr(args, "dcp_cost_adapt", "on") == "on",
+            time_steps=getattr(args, "dcp_time_steps", "off") == "on",
             ranks_per_node=ranks_per_node(getattr(args, "dcp_ranks_per_node", None)),
             hardware=getattr(args, "dcp_hardware_profile", None),
             link_bandwidth=getattr(args, "dcp_link_bandwidth", None),

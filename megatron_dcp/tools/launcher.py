@@ -18,13 +18,13 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.eE+-]+)")
 DCP_LINE = re.compile(
     r"\[DCP\] iteration\s+(\d+) \| micro-batches: (\d+) \| CP sizes \(size:seqs\): ([\d: ]+) \| "
-    r"plan time \(ms\): ([\d.]+) \| load imbalance est\./meas\.: ([\d.]+)/([\d.]+) \| "
-    r"fwd-bwd time \(ms\) pred\./meas\.: ([\d.]+)/([\d.]+) \| tokens/s: (\d+)"
+    r"plan time \(ms\): ([\d.]+) \| load imbalance est\.(?:/meas\.)?: ([\d.]+)(?:/([\d.]+))? \| "
+    r"fwd-bwd time \(ms\) pred\.(?:/meas\.)?: ([\d.]+)(?:/([\d.]+))?(?: \| tokens/s: (\d+))?"
 )
 
 # megatron's count of the model's parameters on each (tensor, pipeline) rank, printed once per
@@ -39,16 +39,17 @@ PARAMETERS = re.compile(
 @dataclass(frozen=True)
 class DCPFigures:
     """The ``[DCP]`` line of one iteration (the forward-backward times of the busiest position:
-    predicted by the cost model that planned the step, and measured)."""
+    predicted by the cost model that planned the step, and measured). The measured figures are
+    None when the step was not timed (``--dcp-cost-adapt off`` without ``--dcp-time-steps on``)."""
 
     microbatches: int
     cp_sizes: Dict[int, int]
     plan_time_ms: float
     estimated_imbalance: float
-    measured_imbalance: float
-    tokens_per_s: int
+    measured_imbalance: Optional[float]
+    tokens_per_s: Optional[int]
     predicted_step_ms: float = 0.0
-    measured_step_ms: float = 0.0
+    measured_step_ms: Optional[float] = 0.0
 
 
 @dataclass
@@ -75,12 +76,17 @@ def parse_log(text: str) -> RunLog:
             sizes,
             float(match.group(4)),
             float(match.group(5)),
-            float(match.group(6)),
-            int(match.group(9)),
+            measured_figure(match.group(6), float),
+            measured_figure(match.group(9), int),
             predicted_step_ms=float(match.group(7)),
-            measured_step_ms=float(match.group(8)),
+            measured_step_ms=measured_figure(match.group(8), float),
         )
     return log
+
+
+def measured_figure(text: Optional[str], kind: Callable[[str], Any]) -> Any:
+    """A measured figure of the ``[DCP]`` line, None where the step was not timed."""
+    return None if text is None else kind(text)
 
 
 # A line that states an error: ``SomeError: ...``, ``Exception: ...`` (a traceback's last line),

@@ -1,6 +1,7 @@
 """``megatron-dcp bench-train`` end to end on 2 CPU ranks: a fair run reports every arm from
 real training steps; a run whose one arm reads perturbed samples is refused by the digest check
-(the fault injected through the worker's test-only ``MEGATRON_DCP_BENCH_PERTURB``). The fair
+(the fault injected through the worker's test-only ``MEGATRON_DCP_BENCH_PERTURB``; that run has
+the cost model's refinement off, and its steps are timed all the same). The fair
 run trained the model its flags ask for (megatron's parameter count in its log against
 ``testing.model_size``), and its refinement replayed offline predicts its ``[DCP]`` lines."""
 
@@ -50,6 +51,12 @@ def check_replay(out, flags):
 
 
 def test_an_arm_that_reads_other_samples_is_refused(tmp_path, monkeypatch):
+    """Run with --dcp-cost-adapt off: the benchmark still times every step (its own request)."""
     monkeypatch.setenv("MEGATRON_DCP_BENCH_PERTURB", "dcp")
     with pytest.raises(DigestMismatch, match="global batch 0: the arms read different samples"):
-        bench_train([*BENCH, "--out", str(tmp_path), *TINY])
+        bench_train([*BENCH, "--out", str(tmp_path), *TINY, "--dcp-cost-adapt", "off"])
+    figures = parse_log((tmp_path / "train.log").read_text()).dcp
+    records = (tmp_path / "times.jsonl").read_text().splitlines()
+    assert len(figures) == len(records) == 6
+    assert all(f.measured_step_ms > 0 and f.tokens_per_s > 0 for f in figures.values())
+    assert "cost x prior" not in (tmp_path / "train.log").read_text()  # not refining

@@ -285,10 +285,11 @@ def test_the_cost_flags_parse_with_defaults_and_choices():
     parser = add_dcp_args(ArgumentParser())
     defaults = parser.parse_args([])
     assert (defaults.dcp_cost_profile, defaults.dcp_hardware_profile) == (None, None)
-    assert defaults.dcp_cost_adapt == "on"
+    assert (defaults.dcp_cost_adapt, defaults.dcp_time_steps) == ("on", "off")
     parsed = parser.parse_args(["--dcp-hardware-profile", "cpu-gloo", "--dcp-cost-adapt", "off"])
     assert (parsed.dcp_hardware_profile, parsed.dcp_cost_adapt) == ("cpu-gloo", "off")
-    for bad in (["--dcp-hardware-profile", "tpu"], ["--dcp-cost-adapt", "maybe"]):
+    bad_values = (["--dcp-hardware-profile", "tpu"], ["--dcp-cost-adapt", "maybe"])
+    for bad in (*bad_values, ["--dcp-time-steps", "yes"]):
         with pytest.raises(SystemExit):
             add_dcp_args(ArgumentParser()).parse_args(bad)
 
@@ -298,6 +299,15 @@ def test_cost_adapt_off_reaches_the_config(pretrain_gpt):
     assert pretrain_gpt.check_args(args).cost_adapt is False
     with pytest.raises(ValueError, match="--dcp-cost-adapt='off'"):
         DCPConfig(max_seqlen_per_dp_cp_rank=8, cost_adapt="off")
+
+
+def test_time_steps_reaches_the_config(pretrain_gpt):
+    args = training_args(pretrain_gpt, SMALL, "--dcp-cost-adapt", "off", "--dcp-time-steps", "on")
+    config = pretrain_gpt.check_args(args)
+    assert (config.cost_adapt, config.time_steps) == (False, True)
+    assert pretrain_gpt.check_args(training_args(pretrain_gpt, SMALL)).time_steps is False
+    with pytest.raises(ValueError, match="--dcp-time-steps='on'.*DCPConfig.time_steps: bool"):
+        DCPConfig(max_seqlen_per_dp_cp_rank=8, time_steps="on")
     with pytest.raises(ValueError, match="DCPConfig.cost_model='model'"):
         DCPConfig(max_seqlen_per_dp_cp_rank=8, cost_model="model")
 
@@ -333,6 +343,32 @@ def test_the_log_line_carries_both_step_times_and_the_launcher_reads_them():
     line = schedule.describe(stats, elapsed_s=2.0, times=[0.5, 0.95, 0.6, 0.75])
     assert line.endswith("| cost x prior: a 1 b 1 b_cp 1 comm 1 ring 1 mb 1")
     assert parse_log(line).dcp[7] == figures
+
+
+def test_an_untimed_step_says_so_and_the_launcher_reads_no_measured_figures():
+    """Adaptation off and no tool asking for times: the line prints no measured figure (not 0)."""
+    from megatron_dcp.integration.forward_backward import BatchStats
+    from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
+    from megatron_dcp.tools.launcher import parse_log
+
+    stats = BatchStats(3, {1: 5, 2: 4}, 0.0037, 4000, 0, 0, 0, 1.008, predicted_step_s=0.8123)
+    config = DCPConfig(max_seqlen_per_dp_cp_rank=8, cost_adapt=False)
+    schedule = DCPSchedule(config, print, iteration=lambda: 7)
+    assert not schedule.times_steps
+    assert DCPSchedule(replace(config, time_steps=True), print).times_steps
+    line = schedule.describe(stats)
+    assert line.endswith(
+        "| load imbalance est.: 1.008 | fwd-bwd time (ms) pred.: 812.3 | "
+        "step not timed (--dcp-cost-adapt off)"
+    )
+    figures = parse_log(line).dcp[7]
+    assert (figures.estimated_imbalance, figures.predicted_step_ms) == (1.008, 812.3)
+    assert (figures.measured_imbalance, figures.measured_step_ms, figures.tokens_per_s) == (
+        None,
+        None,
+        None,
+    )
+    assert (figures.microbatches, figures.cp_sizes) == (3, {1: 5, 2: 4})
 
 
 @pytest.mark.parametrize("sft", [False, True], ids=["mock", "sft"])

@@ -5,7 +5,7 @@ bitwise-identical coefficients and identical plans (a rank planning differently 
 mix up samples), for DP×CP, TP (ranks of other DP×CP domains), PP (other stages) and VPP layouts;
 every second of a step must be claimed by a micro-batch (the refinement's points are per position
 and micro-batch) in megatron's schedules without pipelining, 1F1B and interleaved; and
-``cost_adapt=False`` must leave the model's cost model alone."""
+``cost_adapt=False`` must leave the model's cost model alone and time no step."""
 
 import random
 from dataclasses import replace
@@ -91,7 +91,8 @@ def refining_run(
     return dict(
         plans=plans,
         thetas=thetas,
-        microbatch_times=times.microbatches if times.per_microbatch else None,
+        microbatch_times=times.microbatches if times and times.per_microbatch else None,
+        timed=times is not None,
         points=None if refined is None else len(refined.points[-1]),
         prior=[x.hex() for x in coefficients(config.cost_model)],
         refined=None if refined is None else [x.hex() for x in coefficients(refined.cost)],
@@ -143,4 +144,9 @@ def test_refinement_off_plans_with_the_models_cost_model_throughout():
         assert result["updates"] is None
         assert all(theta == result["prior"] for theta in result["thetas"])
         assert not any("cost x prior" in line for line in result["lines"])
-        assert len(parse_log("\n".join(result["lines"])).dcp) == STEPS
+        figures = parse_log("\n".join(result["lines"])).dcp
+        assert len(figures) == STEPS
+        # Nothing asked for the times: no step was timed, and the log line says so.
+        assert not result["timed"]
+        assert all(f.measured_step_ms is None and f.tokens_per_s is None for f in figures.values())
+        assert all(line.endswith("| step not timed (--dcp-cost-adapt off)") for line in result["lines"])

@@ -2,7 +2,9 @@
 (``integration/patches/step_timing.py``), driven in the call orders of megatron's schedules with
 stand-in steps and a fake clock (no megatron, no timing noise): every second lands on the
 micro-batch whose forward or backward step spent it, whatever the order; a forward step that
-names no micro-batch leaves its seconds unclaimed; outside a clock the steps are the originals.
+names no micro-batch leaves its seconds unclaimed; outside a clock the steps are the originals;
+timed with (stand-in) CUDA events, the same seconds land on the same micro-batches, read after
+one synchronisation once the step has run.
 The real schedules (no pipelining, 1F1B, interleaved) are covered by
 ``test_cost_refinement.py``."""
 
@@ -47,19 +49,24 @@ def run_order(fake_clock, order, chunks=1, name_microbatch=True):
     per chunk as megatron's schedules do; the clock."""
     forward, backward, func = stand_ins(fake_clock)
     with timing_steps() as clock:
-        step = timed(func, clock)
-        outputs = {c: [] for c in range(chunks)}
-        counts = {c: 0 for c in range(chunks)}
-        for kind, chunk in order:
-            if kind == "F":
-                index = counts[chunk]
-                counts[chunk] += 1
-                named = {"current_microbatch": index} if name_microbatch else {}
-                output, _ = forward(step, index, **named)
-                outputs[chunk].append(output)
-            else:
-                backward(None, outputs[chunk].pop(0), None, None)
+        run_steps(clock, forward, backward, func, order, chunks, name_microbatch)
     return clock
+
+
+def run_steps(clock, forward, backward, func, order, chunks, name_microbatch):
+    """The steps of ``order`` (see :func:`run_order`) under ``clock``."""
+    step = timed(func, clock)
+    outputs = {c: [] for c in range(chunks)}
+    counts = {c: 0 for c in range(chunks)}
+    for kind, chunk in order:
+        if kind == "F":
+            index = counts[chunk]
+            counts[chunk] += 1
+            named = {"current_microbatch": index} if name_microbatch else {}
+            output, _ = forward(step, index, **named)
+            outputs[chunk].append(output)
+        else:
+            backward(None, outputs[chunk].pop(0), None, None)
 
 
 def expected(microbatches, chunks=1):
@@ -96,3 +103,42 @@ def test_outside_a_clock_the_steps_are_the_originals(fake_clock):
     output, tokens = forward(func, 0, current_microbatch=0)
     assert tokens == 1 and backward(None, output, None, None) is None
     assert step_timing.SLOT.clock is None
+
+
+class StandInEvent:
+    """A CUDA event that reads the fake clock when recorded and counts its synchronisations."""
+
+    synchronised = 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = StandInEvent.clock["t"]
+
+    def synchronize(self):
+        StandInEvent.synchronised += 1
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+
+def test_with_cuda_events_the_step_is_read_once_after_it_ran(fake_clock, monkeypatch):
+    """1F1B order timed with events: nothing is read (or synchronised) while the steps run;
+    reading the clock synchronises once and attributes as the host clock does."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
+    monkeypatch.setattr(StandInEvent, "clock", fake_clock, raising=False)
+    monkeypatch.setattr(step_timing, "now", lambda: pytest.fail("the host clock was read"))
+    order = [("F", 0), ("F", 0), ("F", 0), ("B", 0), ("F", 0), ("B", 0), ("B", 0), ("B", 0)]
+    forward, backward, func = stand_ins(fake_clock)
+    with timing_steps() as clock:
+        run_steps(clock, forward, backward, func, order, 1, True)
+    assert clock.events and clock.busy_s == 0.0 and StandInEvent.synchronised == 0
+    assert clock.per_microbatch(4) == pytest.approx(expected(4))
+    assert StandInEvent.synchronised == 1 and clock.busy_s == pytest.approx(sum(expected(4)))
+    assert clock.per_microbatch(4) == pytest.approx(expected(4))  # read once: no second sync
+    assert StandInEvent.synchronised == 1

@@ -29,13 +29,17 @@ from megatron_dcp.scheduling.metrics import imbalance as max_over_mean
 
 # Short names of the refined coefficients in the log line (cost_fit.FEATURES, in order).
 COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb", "spill")
+# The [DCP] line's words for an untimed step (adaptation off and no tool asking for the times).
+NOT_TIMED = "step not timed (--dcp-cost-adapt off)"
 
 
 class DCPSchedule:
     """Stands in for megatron's forward-backward function inside ``megatron.training``: builds
     the :class:`DCPForwardBackward` on its first call (the model's config is known then and the
     model-parallel groups exist), refines the cost model after every training step (unless
-    ``cost_adapt`` is off) and logs the DCP figures of every training iteration."""
+    ``cost_adapt`` is off) and logs the DCP figures of every training iteration. Training steps
+    are timed only for the refinement or when ``DCPConfig.time_steps`` asks (the measuring
+    tools); evaluation steps never."""
 
     def __init__(
         self,
@@ -57,19 +61,38 @@ class DCPSchedule:
 
     def __call__(self, **kwargs: Any) -> Any:
         wrapper = self.wrapper or self.build(kwargs["model"])
+        wrapper.prefetch_next = not self.last_iteration()
+        if kwargs.get("forward_only", False):
+            return wrapper(**kwargs)
+        if not self.times_steps:
+            losses = wrapper(**kwargs)
+            self.calls += 1
+            self.log(self.describe(wrapper.stats[-1]))
+            return losses
+        return self.timed_step(wrapper, kwargs)
+
+    @property
+    def times_steps(self) -> bool:
+        """Whether training steps are timed: for the refinement (``cost_adapt``) or because a
+        tool asked for the times (``time_steps``). Untimed, the schedule adds no
+        synchronisation and no collective to megatron's step."""
+        return self.config.cost_adapt or self.config.time_steps
+
+    def timed_step(self, wrapper: DCPForwardBackward, kwargs: dict) -> Any:
+        """One training call, its forward and backward steps timed: the step's times read once
+        it has run (on CUDA its one synchronisation), gathered, refined on and logged."""
         forward_step_func = kwargs.pop("forward_step_func")
         start = time.perf_counter()
-        wrapper.prefetch_next = not self.last_iteration()
         with timing_steps() as clock:
             losses = wrapper(forward_step_func=timed(forward_step_func, clock), **kwargs)
-        if not kwargs.get("forward_only", False):
-            self.calls += 1
-            elapsed = time.perf_counter() - start
-            count = wrapper.plan.num_microbatches if wrapper.plan is not None else 0
-            times = StepTimes.of(busy_times(clock.per_microbatch(count), wrapper.domain_group))
-            self.times = times
-            self.refine(times)
-            self.log(self.describe(wrapper.stats[-1], elapsed, times.totals))
+        self.calls += 1
+        count = wrapper.plan.num_microbatches if wrapper.plan is not None else 0
+        values = clock.per_microbatch(count)  # reads the CUDA events: waits for the step
+        elapsed = time.perf_counter() - start
+        times = StepTimes.of(busy_times(values, wrapper.domain_group))
+        self.times = times
+        self.refine(times)
+        self.log(self.describe(wrapper.stats[-1], elapsed, times.totals))
         return losses
 
     def build(self, model: Any) -> DCPForwardBackward:
@@ -104,14 +127,29 @@ class DCPSchedule:
         cost = self.refinement.update(rows, values)
         self.wrapper.use_cost_model(cost)
 
-    def describe(self, stats: BatchStats, elapsed_s: float, times: Sequence[float]) -> str:
+    def describe(
+        self,
+        stats: BatchStats,
+        elapsed_s: Optional[float] = None,
+        times: Optional[Sequence[float]] = None,
+    ) -> str:
         """One log line. ``times`` are the busy forward-backward seconds per position (see
         :func:`busy_times`): the measured imbalance is their max/mean, the measured step time
-        their max; the predicted step time is the plan's under the cost model that planned it."""
+        their max, tokens/s the batch's tokens over ``elapsed_s``; the predicted step time is
+        the plan's under the cost model that planned it. Without ``times`` (the step was not
+        timed) the line says so in place of the measured figures."""
         sizes = " ".join(f"{size}:{count}" for size, count in stats.cp_size_histogram.items())
         line = (
             f" [DCP] iteration {self.iteration():8d} | micro-batches: {stats.num_microbatches} | "
             f"CP sizes (size:seqs): {sizes} | plan time (ms): {stats.plan_time_s * 1e3:.1f} | "
+        )
+        if times is None or elapsed_s is None:
+            return line + (
+                f"load imbalance est.: {stats.estimated_imbalance:.3f} | "
+                f"fwd-bwd time (ms) pred.: {stats.predicted_step_s * 1e3:.1f} | "
+                f"{NOT_TIMED}"
+            )
+        line += (
             f"load imbalance est./meas.: {stats.estimated_imbalance:.3f}/"
             f"{max_over_mean(list(times)):.3f} | "
             f"fwd-bwd time (ms) pred./meas.: {stats.predicted_step_s * 1e3:.1f}/"
@@ -171,15 +209,21 @@ def busy_times(values: Sequence[float], domain_group: Any) -> List[Vector]:
     floats on every rank of the job: gathered (float64) over the DP×CP ``domain_group``, the
     slowest of the tensor-parallel ranks (they run in step), summed over the pipeline stages in
     stage order (each runs its share of the layers; the cost model counts them all), value by
-    value. One all-gather per group, as many floats per rank as micro-batches + 1."""
+    value. One all-gather per group, as many floats per rank as micro-batches + 1, combined on
+    the collectives' device and read by the host once."""
     width = len(values)
-    times = gather_floats(values, domain_group)
+    local = torch.tensor(list(values), dtype=torch.float64, device=collective_device(domain_group))
+    times = torch.cat(gather_tensors(local, domain_group))
     tp_group, pp_group = model_parallel_groups()
     if tp_group is not None:
-        times = [max(column) for column in zip(*gather_rows(times, tp_group))]
+        times = torch.stack(gather_tensors(times, tp_group)).amax(dim=0)
     if pp_group is not None:
-        times = [sum(column) for column in zip(*gather_rows(times, pp_group))]
-    return [times[i : i + width] for i in range(0, len(times), width)]
+        stages = gather_tensors(times, pp_group)
+        times = stages[0].clone()
+        for stage in stages[1:]:  # in stage order, as a sum of floats on the host would add
+            times += stage
+    flat = times.cpu().tolist()
+    return [flat[i : i + width] for i in range(0, len(flat), width)]
 
 
 def model_parallel_groups() -> tuple:
@@ -193,21 +237,13 @@ def model_parallel_groups() -> tuple:
     return tuple(g if dist.get_world_size(g) > 1 else None for g in groups)
 
 
-def gather_rows(values: Sequence[float], group: Any) -> List[List[float]]:
-    """Every rank's ``values`` (all of one length), by rank in ``group``."""
-    flat = gather_floats(values, group)
-    width = len(values)
-    return [flat[i : i + width] for i in range(0, len(flat), width)]
-
-
-def gather_floats(values: Sequence[float], group: Any) -> List[float]:
-    """The concatenation, in rank order, of every rank's ``values`` (float64, on the device the
-    group's collectives use)."""
-    device = collective_device(group)
-    local = torch.tensor(list(values), dtype=torch.float64, device=device)
+def gather_tensors(local: torch.Tensor, group: Any) -> List[torch.Tensor]:
+    """Every rank's ``local`` (all of one shape), by rank in ``group``, on the device the
+    group's collectives use; no host read."""
+    local = local.to(collective_device(group))
     parts = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
-    return [x for part in parts for x in part.cpu().tolist()]
+    return parts
 
 
 def install_dcp_schedule(

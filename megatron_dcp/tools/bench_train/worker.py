@@ -7,7 +7,8 @@ pretrain_mamba, megatron's own loop) with three changes that make its arms compa
   batch is planned by every arm under the run's cost model and run with the arm whose turn it
   is. Rank 0 writes every batch's plans (``plans.jsonl``, with each position's cost-model
   features, in total and per micro-batch), every step's busy time per position, in total and per
-  micro-batch (``times.jsonl``), and the cost model the run starts from (``prior.json``): what
+  micro-batch (``times.jsonl``; every step is timed, ``DCPConfig.time_steps``, also with
+  ``--dcp-cost-adapt off``), and the cost model the run starts from (``prior.json``): what
   ``megatron-dcp replay-refinement`` replays.
 - **Digests.** Each rank hashes the samples it reads, one digest per global batch read
   (``digests/rank<r>.txt``): the command checks that every arm of a batch saw the same samples.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
@@ -217,7 +218,7 @@ def main(
 
     train(
         args,
-        config,
+        replace(config, time_steps=True),  # a benchmark measures, whatever --dcp-cost-adapt says
         model_config,
         datasets=repeated_provider(datasets_provider, spec, args.global_batch_size),
         schedule_class=schedule_class_of(spec),
