@@ -17,7 +17,7 @@
 # at least one GPU test passed with none failing. A step that failed, timed out or was not run,
 # a check that refused (nothing compared), every GPU test skipped (nothing compared): exit 1.
 # The last line says which: `device_check: PASS (packages ok, probe ok, check PASS, gpu tests
-# 3 passed 9 skipped)` or `device_check: FAIL: <step>: <why> | <step>: <why>`, every failed step.
+# N passed M skipped)` or `device_check: FAIL: <step>: <why> | <step>: <why>`, every failed step.
 # On one GPU check refuses (one rank cannot mix CP sizes), so there the run ends in FAIL naming
 # check: nothing compared DCP with static CP.
 #
