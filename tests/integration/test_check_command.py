@@ -41,7 +41,7 @@ def test_check_passes_here_with_one_verdict_line(passed):
     done, _, report = passed
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert lines[-1].startswith("megatron-dcp check: PASS: DCP equals static CP on cp2")
+    assert lines[-1].startswith("megatron-dcp check: PASS: static CP and DCP equal the reference")
     assert sum(line.startswith("megatron-dcp check:") for line in lines) == 1
     assert lines[0] == "environment" and "megatron-core 0.19.2 (supported)" in done.stdout
     assert report["passed"] and report["verdict"] == lines[-1]

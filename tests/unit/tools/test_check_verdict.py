@@ -1,6 +1,7 @@
 """``megatron-dcp check``'s judgement on synthetic findings, pure Python: the tolerance rule and
-the verdict (a difference beyond it, a plan without a mix of CP sizes, unequal token counts, a
-failed run each FAIL), the refusals before anything runs, the flags the check sets itself."""
+the verdict (a difference beyond it from static CP or from the reference arm, a tolerance over
+the ceiling, a reference arm that failed or compared nothing, a plan without a mix of CP sizes,
+unequal token counts, a failed run each FAIL), the refusals before anything runs, the flags the check sets itself."""
 
 import pytest
 
@@ -9,6 +10,7 @@ from megatron_dcp.tools.check.tolerance import (
     ERROR_FACTOR,
     FLOAT32_EPS,
     FLOOR_ULPS,
+    CEILING,
     Difference,
     tolerance,
 )
@@ -25,6 +27,9 @@ def passing(layout=Layout(1, 2)):
     result.tokens = {arm: [100, 120] for arm in sizes}
     result.loss = [Difference("batch 0 loss", 500.0, 1e-4, 2e-4)]
     result.gradients = [Difference("batch 0 rank0 w", 1.0, 1e-7, 3e-7)]
+    result.reference = [
+        Difference(f"batch 0 {arm} rank0 w", 1.0, 1e-7, 2e-7, runs=1) for arm in ("static", "dcp")
+    ]
     return result
 
 
@@ -41,8 +46,9 @@ def test_a_passing_run_gives_one_pass_line_with_its_figures():
     result = passing()
     assert failures(result) == []
     line = verdict_line([result], [])
-    assert line.startswith("megatron-dcp check: PASS: DCP equals static CP on cp2")
-    assert "gradients 3.0e-07" in line and "smoke speed, not a benchmark" in line
+    assert line.startswith("megatron-dcp check: PASS: static CP and DCP equal the reference ")
+    assert "gradients max rel. diff 2.0e-07 (at most 0.05 of the tolerance)" in line
+    assert "DCP equals static CP: loss 4.0e-07, gradients 3.0e-07" in line and "smoke speed, not a benchmark" in line
 
 
 @pytest.mark.parametrize("factor", [10.0, 1e4])
@@ -109,3 +115,43 @@ def test_the_check_sets_the_layout_learning_rate_and_dropout():
     assert "--bf16" in training_flags([], on_gpu=True)
     with pytest.raises(ValueError, match="--context-parallel-size, --lr: check sets these"):
         training_flags(["--lr", "1e-4", "--context-parallel-size=2"], on_gpu=False)
+
+
+@pytest.mark.parametrize("arm", ["static", "dcp"])
+def test_an_arm_away_from_the_reference_fails_naming_tensor_and_rank(arm):
+    result = passing()
+    noise = 1e-7
+    allowed = tolerance(noise, 0.5)
+    result.reference.append(Difference(f"batch 1 {arm} rank1 w2", 0.5, noise, 1.5 * allowed, runs=1))
+    (found,) = failures(result)
+    assert found.startswith(f"cp2: batch 1 {arm} rank1 w2 differs from the reference by ")
+    assert "of its largest value 0.5" in found and "1.5x its tolerance" in found
+
+
+def test_the_reference_tolerance_is_one_sided():
+    d = Difference("w", magnitude=1.0, noise=1e-6, difference=1e-5, runs=1)
+    assert d.allowed == ERROR_FACTOR * 1e-6 and d.margin == pytest.approx(1.25) and not d.passed
+
+
+def test_a_tolerance_over_the_ceiling_cannot_decide():
+    result = passing()
+    bf16 = 2.0**-7
+    noise = CEILING  # rounding as large as the ceiling: 8 times it is allowed
+    result.reference.append(Difference("batch 0 dcp rank0 b", 1.0, noise, 0.0, runs=1, eps=bf16))
+    (found,) = failures(result)
+    assert found.startswith("cp2: cannot decide: batch 0 dcp rank0 b's tolerance is 0.4 of its")
+
+
+def test_a_reference_arm_that_failed_or_compared_nothing_fails():
+    result = passing()
+    result.reference_error = "the reference arm failed: ValueError: boom"
+    assert failures(result) == ["cp2: the reference arm failed: ValueError: boom"]
+    result = passing()
+    result.reference = []
+    assert failures(result) == ["cp2: the reference arm compared nothing"]
+
+
+def test_a_token_count_unlike_the_references_fails():
+    result = passing()
+    result.reference_tokens = ["batch 0 dcp rank0 loss: 101 tokens, the reference 100"]
+    assert failures(result) == ["cp2: batch 0 dcp rank0 loss: 101 tokens, the reference 100"]
