@@ -461,4 +461,77 @@ VALIDATION_MUTANTS = (
     ),
 )
 
-MUTANTS = RUNTIME_MUTANTS + PATCH_MUTANTS + LOSS_MUTANTS + VALIDATION_MUTANTS
+CHECK = "megatron_dcp/tools/check/"
+CHECK_VERDICT = ("tests/unit/tools/test_check_verdict.py",)
+CHECK_COMMAND = "tests/integration/test_check_command.py"
+CHECK_PASSES = f"{CHECK_COMMAND}::test_check_passes_here_with_one_verdict_line"
+CHECK_LABELS = f"{CHECK_COMMAND}::test_a_planted_defect_fails_the_check_through_its_numbers[labels_shifted]"
+CHECK_MUTANTS = (
+    Mutant(
+        "check-reference-dropped-from-verdict",
+        CHECK + "verdict.py",
+        "    found += reference_failures(result)",
+        "    found += []",
+        CHECK_VERDICT,
+        "the reference arm's findings never reach the verdict: only DCP against static CP decides",
+    ),
+    Mutant(
+        "check-reference-tolerance-two-sided",
+        CHECK + "tolerance.py",
+        "return self.runs * tolerance(self.noise, self.magnitude, self.eps)",
+        "return 2 * tolerance(self.noise, self.magnitude, self.eps)",
+        CHECK_VERDICT,
+        "a run against the exact values allowed twice the tolerance, as if two runs were compared",
+    ),
+    Mutant(
+        "check-ceiling-on-the-rounding",
+        CHECK + "tolerance.py",
+        "return self.allowed <= CEILING * self.magnitude or not self.magnitude",
+        "return self.noise <= CEILING * self.magnitude or not self.magnitude",
+        CHECK_VERDICT,
+        "the ceiling compares the measured rounding, not the tolerance 8 times it",
+    ),
+    Mutant(
+        "check-gradient-compared-with-itself",
+        CHECK + "reference_arm.py",
+        "largest_difference(grad, exact), eps))",
+        "largest_difference(grad, grad), eps))",
+        (CHECK_LABELS,),
+        "each gradient compared with itself: the reference arm can never find a difference",
+    ),
+    Mutant(
+        "check-reference-not-per-token",
+        CHECK + "reference_arm.py",
+        "exact = reference.tensors[name] / tokens",
+        "exact = reference.tensors[name]",
+        (CHECK_PASSES,),
+        "the reference's gradients left as of the loss sum: megatron's are of the per-token mean",
+    ),
+    Mutant(
+        "check-reference-positions-shifted",
+        CHECK + "reference_arm.py",
+        "position_ids=torch.arange(length).view(1, -1),",
+        "position_ids=torch.arange(1, length + 1).view(1, -1),",
+        (CHECK_PASSES,),
+        "the reference's positions start at 1: learned position embeddings read the wrong rows",
+    ),
+    Mutant(
+        "check-stage-layers-not-renumbered",
+        CHECK + "global_names.py",
+        'name = f"decoder.layers.{layer.layer_number - 1}.{local[match.end():]}"',
+        'name = f"decoder.layers.{match.group(1)}.{local[match.end():]}"',
+        ("tests/integration/test_check_reference.py",),
+        "a pipeline stage's layers keep their local numbers: stage 2's layer 0 is named layer 0",
+    ),
+    Mutant(
+        "patch-mla-rope-static-cp-size",
+        PATCHES + "mla_attention.py",
+        "    config.context_parallel_size = group.size()",
+        "    config.context_parallel_size = module.config.context_parallel_size",
+        ("tests/integration/test_dcp_mla.py::test_mla_equals_single_process_with_mixed_cp_sizes"
+         "[dp4cp1-direct-query]",),
+        "mla_rope's config copy keeps the static CP size: RoPE's table is not cut at CP size 1",
+    ),
+)
+
+MUTANTS = RUNTIME_MUTANTS + PATCH_MUTANTS + LOSS_MUTANTS + VALIDATION_MUTANTS + CHECK_MUTANTS

@@ -1,9 +1,10 @@
 """``megatron-dcp check`` end to end on 2 CPU ranks (the default here: the cores): it passes on
 this machine with one verdict line, its DCP arm planned a mix of CP sizes and its static arms
 static CP only (``testing.plan_coverage`` on the run's own log), the model trained is the one
-its flags ask for (megatron's parameter count against ``testing.model_size``); and with one
-patch-table entry turned into a no-op (the worker's test-only ``MEGATRON_DCP_CHECK_NOOP_PATCH``:
-``attention_rope``, RoPE on the static CP group) it fails, with exit status 1 and one FAIL line.
+its flags ask for (megatron's parameter count against ``testing.model_size``), and its reference
+arm compared both arms' loss and gradients; and with each defect of
+``tools.check.planted_defects`` planted (the worker's test-only ``MEGATRON_DCP_CHECK_DEFECT``) it
+fails through the numeric comparison, with exit status 1 and one FAIL line naming the quantity.
 One passing run is shared by the tests of this file."""
 
 import json
@@ -49,6 +50,11 @@ def test_check_passes_here_with_one_verdict_line(passed):
     (layout,) = report["layouts"]
     assert layout["gradients"]["compared"] > 0 and layout["failures"] == []
     assert all(d["passed"] and d["noise"] >= 0 for d in layout["loss"])
+    reference = layout["reference"]
+    assert reference["error"] is None and reference["compared"] > layout["gradients"]["compared"]
+    assert all(d["passed"] and d["decidable"] for d in reference["worst"])
+    assert "static against the reference" in done.stdout
+    assert "dcp against the reference" in done.stdout
 
 
 def arm_plans(log, arm, layout):
@@ -68,10 +74,27 @@ def test_the_run_covered_a_mix_of_cp_sizes_on_the_model_its_flags_ask_for(passed
     check_model_size(flags_of(report["layouts"][0]["training_flags"]), log.parameters)
 
 
-def test_a_patch_entry_made_a_no_op_fails_the_check(tmp_path):
-    done = run_check(tmp_path, MEGATRON_DCP_CHECK_NOOP_PATCH="attention_rope")
+# Planted defects (``tools.check.planted_defects``), each a change of numbers, never a crash:
+# the FAIL must come from the numeric comparison and name where the defect shows.
+DEFECTS = {
+    "zigzag_chunks_swapped": "differs from the reference by",  # only CP sizes > 1 carry it
+    "labels_shifted": "differs from the reference by",  # every plan shares it
+    "loss_tokens_off_by_one": "tokens, the reference",  # the loss normalised by a wrong count
+    "attention_entry_scaled": "differs from the reference by",  # one patch entry's numbers
+}
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
+def test_a_planted_defect_fails_the_check_through_its_numbers(tmp_path, defect):
+    done = run_check(tmp_path, MEGATRON_DCP_CHECK_DEFECT=defect)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert lines[-1].startswith("megatron-dcp check: FAIL: cp2: ")
+    assert DEFECTS[defect] in lines[-1] and "training failed" not in lines[-1]
     report = json.loads((tmp_path / "check.json").read_text())
-    assert not report["passed"] and report["layouts"][0]["failures"]
+    (layout,) = report["layouts"]
+    assert layout["error"] is None and layout["reference"]["error"] is None
+    worst = layout["reference"]["worst"][0]
+    assert not worst["passed"] and worst["name"].split(" ")[3] in lines[-1]  # the tensor named
+    if defect == "labels_shifted":  # DCP and static CP agree: only the reference arm sees it
+        assert "differs from static CP" not in lines[-1]

@@ -13,16 +13,13 @@ For the reference arm (``tools.check.reference_arm``) the workers also leave the
 description, their weights, every batch's samples as the data loader delivered them and the
 static and DCP arms' gradients by single-process name (``tools.check.reference_records``).
 
-Planted defect (tests only): ``MEGATRON_DCP_CHECK_NOOP_PATCH=<entry>`` turns that entry of the
-patch table into a no-op before training applies the table (the entry counts as applied, its
-targets keep megatron's originals), so that ``check`` can be seen to fail.
+Planted defects (tests only): ``tools.check.planted_defects``, applied before training applies
+the patch table, so that ``check`` can be seen to fail.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -34,26 +31,11 @@ from megatron_dcp.tools.bench_train.worker import main as bench_worker_main
 from megatron_dcp.tools.check import reference_records as records
 from megatron_dcp.tools.check.global_names import by_global_name, unwrap
 from megatron_dcp.tools.check.layout_runs import RANKS_DIR
+from megatron_dcp.tools.check.planted_defects import plant_from_environment
 from megatron_dcp.tools.check.reordered import REORDERED, check_schedulers
 
-NOOP_VARIABLE = "MEGATRON_DCP_CHECK_NOOP_PATCH"
 Held = Tuple[Tuple[float, int], Dict[str, torch.Tensor]]
 REFERENCE_ARMS = ("static", "dcp")  # the arms compared with the reference arm
-
-
-def neutralize(name: str) -> None:
-    """Apply the patch-table entry ``name`` as a no-op (module docstring)."""
-    from megatron_dcp.integration.patches import entries
-    from megatron_dcp.integration.patches.table import Patch, apply
-
-    found = [entry for entry in entries() if entry.name == name]
-    if not found or not isinstance(found[0], Patch):
-        names = ", ".join(e.name for e in entries() if isinstance(e, Patch))
-        raise ValueError(
-            f"{NOOP_VARIABLE}={name}: not an attribute entry of the patch table; use one of "
-            f"{names}."
-        )
-    apply(dataclasses.replace(found[0], replace=lambda owner, original: original))
 
 
 def rank_gradients(model: Any) -> Dict[str, torch.Tensor]:
@@ -168,15 +150,9 @@ def check_schedule_class(spec: BenchSpec) -> type:
     return CheckSchedule
 
 
-def plant_defect() -> None:
-    """The planted defect, if the test asked for one (module docstring)."""
-    if os.environ.get(NOOP_VARIABLE):
-        neutralize(os.environ[NOOP_VARIABLE])
-
-
 def main() -> None:
     """bench-train's worker with the check's schedule and the planted defect if asked for."""
-    bench_worker_main(check_schedule_class, plant_defect)
+    bench_worker_main(check_schedule_class, plant_from_environment)
 
 
 if __name__ == "__main__":

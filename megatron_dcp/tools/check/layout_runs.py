@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.results import BenchResult, read_plans
-from megatron_dcp.tools.check import reference_records
 from megatron_dcp.tools.check.reordered import CHECK_ARMS, REORDERED
 from megatron_dcp.tools.check.tolerance import Difference
 
 WORKER = "tools.check.gradient_worker"
 REFERENCE_ARM = "megatron_dcp.tools.check.reference_arm"
-FINDINGS = "findings.json"  # the reference arm's, in its folder
 RANKS_DIR = "check"  # the workers' findings, rank<r>.jsonl
 BATCHES, WARMUP = 3, 1  # the smoke figure compares the last two
 
@@ -84,6 +82,7 @@ def layouts_for(nproc: int) -> List[Layout]:
 def run_layout(layout: Layout, flags: Sequence[str], out: Path, timeout_s: float) -> LayoutResult:
     """Run the check's arms on ``layout`` with the training ``flags``, then the reference arm;
     raises TrainingRunError when training fails."""
+    from megatron_dcp.tools.check import reference_records
     from megatron_dcp.tools.cli.bench_train import run_bench
 
     options = argparse.Namespace(out=out, nproc=layout.nproc, batches=BATCHES, warmup=WARMUP)
@@ -107,6 +106,8 @@ def precision_of(flags: Sequence[str]) -> str:
 
 def add_reference(result: LayoutResult, out: Path, precision: str, timeout_s: float) -> None:
     """Run the reference arm in a fresh interpreter that sees no GPU, and read its findings."""
+    from megatron_dcp.tools.check import reference_records
+
     command = [sys.executable, "-m", REFERENCE_ARM, "--out", str(out), "--precision", precision]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     try:
@@ -119,7 +120,7 @@ def add_reference(result: LayoutResult, out: Path, precision: str, timeout_s: fl
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         result.reference_error = f"the reference arm failed: {tail[0]}"
         return
-    findings = json.loads((out / reference_records.REFERENCE_DIR / FINDINGS).read_text())
+    findings = json.loads(reference_records.findings_path(out).read_text())
     for found in findings:
         where = f"batch {found['batch']} {found['arm']} rank{found['rank']} {found['name']}"
         result.reference.append(

@@ -35,7 +35,6 @@ from megatron_dcp.tools.check.rounding import ExactRun, exact_run, largest_diffe
 from megatron_dcp.tools.check.rounding import largest_magnitude, to_dtype
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FINDINGS_FILE = "findings.json"  # tools.check.layout_runs reads it
 RUNTIME_GROUPS = ("training", "cpu_training", "dcp", "pipeline", "upstream")  # never applied here
 SEED = 1234
 
@@ -220,7 +219,7 @@ def main(argv: Sequence[str] = ()) -> int:
         reference_worker, 1, str(options.out), options.precision,
         backend="gloo", timeout_s=options.timeout,  # fmt: skip
     )
-    (records.folder(options.out) / FINDINGS_FILE).write_text(json.dumps(found) + "\n")
+    records.findings_path(options.out).write_text(json.dumps(found) + "\n")
     return 0
 
 

@@ -8,7 +8,8 @@ under ``reference/``, and how the arm reads it back:
 - ``samples_b<n>.pt`` (rank 0): global batch ``n``'s samples as the data loader delivered them,
   before any plan, packing or routing (``tokens``, ``labels``, ``loss_mask``);
 - ``gradients_b<n>_rank<r>.pt`` (every rank): per arm, the global loss ``(sum, tokens)`` and this
-  rank's gradients after megatron's finalisation, by single-process name.
+  rank's gradients after megatron's finalisation, by single-process name;
+- ``findings.json``: what the reference arm found (``tools.check.reference_arm``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 REFERENCE_DIR = "reference"
+FINDINGS_FILE = "findings.json"  # what the reference arm found, one entry per quantity
 GPT_ARGUMENTS = (
     "vocab_size",
     "max_sequence_length",
@@ -35,6 +37,10 @@ def folder(out: Path) -> Path:
     path = Path(out) / REFERENCE_DIR
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def findings_path(out: Path) -> Path:
+    return folder(out) / FINDINGS_FILE
 
 
 def save_model(out: Path, model: Any) -> None:
