@@ -508,12 +508,12 @@ CHECK_MUTANTS = (
         "the reference's gradients left as of the loss sum: megatron's are of the per-token mean",
     ),
     Mutant(
-        "check-reference-positions-shifted",
+        "check-reference-loss-unmasked",
         CHECK + "reference_arm.py",
-        "position_ids=torch.arange(length).view(1, -1),",
-        "position_ids=torch.arange(1, length + 1).view(1, -1),",
+        'mask = sample["loss_mask"].view(1, -1).to(summing)',
+        'mask = torch.ones_like(sample["loss_mask"]).view(1, -1).to(summing)',
         (CHECK_PASSES,),
-        "the reference's positions start at 1: learned position embeddings read the wrong rows",
+        "the reference sums the loss of every token, masked ones included",
     ),
     Mutant(
         "check-stage-layers-not-renumbered",

@@ -16,7 +16,8 @@ patch table restored to megatron's functions and adaptation off. Then, on the sa
 - adaptation on (and adaptation off with ``time_steps``, the measuring tools' request): inside
   megatron's function only two recorded events per timed forward step function and backward
   step, nothing synchronised; after it one event synchronisation, one all-gather per group
-  (DP×CP and, here, the pipeline) and one host read of the gathered times.
+  (DP×CP and, here, the pipeline) and one read of the gathered times, a host tensor (on a GPU
+  the gathers run over gloo twins of the groups, ``test_time_groups.py``: no second wait).
 
 pp2·cp2 (world 4): the 1F1B schedule, whose megatron-core 0.19.2 batched p2p synchronises CUDA
 itself (counted in the baseline), and the pipeline's gather of the times."""
@@ -204,7 +205,7 @@ def test_a_timed_step_synchronises_once_after_megatrons_function(counted, phase)
             events = Counter({"event made": 2 * timed_calls, "event recorded": 2 * timed_calls})
             assert scope(step, "megatron") == scope(own, "megatron") + events, f"rank {rank}"
             # After it: one synchronisation (the last event), the gathers of the DP×CP domain
-            # and of the pipeline, one host read of the gathered times.
+            # and of the pipeline, one read of the gathered times (host floats, over gloo).
             after = Counter({"event synchronize": 1, "all_gather": 2, "tolist": 1})
             assert scope(step, "dcp") == after, f"rank {rank}"
             assert scope(step, "preparation") == scope(own, "preparation"), f"rank {rank}"

@@ -17,7 +17,7 @@ from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.forward_backward import BatchStats, DCPForwardBackward
 from megatron_dcp.integration.node_layout import describe_layout
 from megatron_dcp.integration.patches import apply_groups, timed, timing_steps, use_schedule
-from megatron_dcp.runtime.exchange import collective_device
+from megatron_dcp.integration.training.time_groups import TimeGroups, time_groups
 from megatron_dcp.scheduling.cost_fit import (
     OnlineRefinement,
     Vector,
@@ -58,6 +58,7 @@ class DCPSchedule:
         self.calls = 0
         self.iteration = iteration or (lambda: self.calls)
         self.times: Optional[StepTimes] = None  # the last training step's
+        self.time_groups: Optional[TimeGroups] = None  # made with the wrapper, when timing
 
     def __call__(self, **kwargs: Any) -> Any:
         wrapper = self.wrapper or self.build(kwargs["model"])
@@ -89,7 +90,7 @@ class DCPSchedule:
         count = wrapper.plan.num_microbatches if wrapper.plan is not None else 0
         values = clock.per_microbatch(count)  # reads the CUDA events: waits for the step
         elapsed = time.perf_counter() - start
-        times = StepTimes.of(busy_times(values, wrapper.domain_group))
+        times = StepTimes.of(busy_times(values, self.time_groups))
         self.times = times
         self.refine(times)
         self.log(self.describe(wrapper.stats[-1], elapsed, times.totals))
@@ -105,6 +106,8 @@ class DCPSchedule:
         atexit.register(self.wrapper.close)  # an early exit (signal, --exit-interval) joins too
         if self.wrapper.config.cost_adapt:
             self.refinement = OnlineRefinement(self.wrapper.scheduler.cost_model)
+        if self.times_steps:
+            self.time_groups = time_groups(self.wrapper.domain_group)
         self.log(" " + self.wrapper.groups.report())
         self.log(" " + describe_layout(self.wrapper.scheduler.cost_model.nodes))
         self.log(" " + describe_prefetch(self.wrapper))
@@ -204,43 +207,29 @@ class StepTimes:
         return not any(self.unclaimed)
 
 
-def busy_times(values: Sequence[float], domain_group: Any) -> List[Vector]:
+def busy_times(values: Sequence[float], groups: TimeGroups) -> List[Vector]:
     """Every position's ``values`` (its busy seconds: ``BusyClock.per_microbatch``), the same
-    floats on every rank of the job: gathered (float64) over the DP×CP ``domain_group``, the
-    slowest of the tensor-parallel ranks (they run in step), summed over the pipeline stages in
-    stage order (each runs its share of the layers; the cost model counts them all), value by
-    value. One all-gather per group, as many floats per rank as micro-batches + 1, combined on
-    the collectives' device and read by the host once."""
+    floats on every rank of the job: gathered (float64) over the DP×CP domain, the slowest of
+    the tensor-parallel ranks (they run in step), summed over the pipeline stages in stage order
+    (each runs its share of the layers; the cost model counts them all), value by value. One
+    all-gather per group, as many floats per rank as micro-batches + 1, all on the host
+    (``time_groups``: gloo), so nothing waits for the GPU."""
     width = len(values)
-    local = torch.tensor(list(values), dtype=torch.float64, device=collective_device(domain_group))
-    times = torch.cat(gather_tensors(local, domain_group))
-    tp_group, pp_group = model_parallel_groups()
-    if tp_group is not None:
-        times = torch.stack(gather_tensors(times, tp_group)).amax(dim=0)
-    if pp_group is not None:
-        stages = gather_tensors(times, pp_group)
+    local = torch.tensor(list(values), dtype=torch.float64)
+    times = torch.cat(gather_tensors(local, groups.domain))
+    if groups.tp is not None:
+        times = torch.stack(gather_tensors(times, groups.tp)).amax(dim=0)
+    if groups.pp is not None:
+        stages = gather_tensors(times, groups.pp)
         times = stages[0].clone()
         for stage in stages[1:]:  # in stage order, as a sum of floats on the host would add
             times += stage
-    flat = times.cpu().tolist()
+    flat = times.tolist()
     return [flat[i : i + width] for i in range(0, len(flat), width)]
 
 
-def model_parallel_groups() -> tuple:
-    """megatron's tensor- and pipeline-parallel groups, None for a group of one rank."""
-    from megatron.core import parallel_state
-
-    groups = (
-        parallel_state.get_tensor_model_parallel_group(),
-        parallel_state.get_pipeline_model_parallel_group(),
-    )
-    return tuple(g if dist.get_world_size(g) > 1 else None for g in groups)
-
-
 def gather_tensors(local: torch.Tensor, group: Any) -> List[torch.Tensor]:
-    """Every rank's ``local`` (all of one shape), by rank in ``group``, on the device the
-    group's collectives use; no host read."""
-    local = local.to(collective_device(group))
+    """Every rank's ``local`` (all of one shape, on the host), by rank in ``group`` (gloo)."""
     parts = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return parts

@@ -100,6 +100,9 @@ def load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) ->
         missing, extra = sorted(names.keys() - weights), sorted(weights.keys() - names)
         raise ValueError(f"the run's weights do not fit the reference model: missing "
                          f"{missing}, not in the reference {extra}")  # fmt: skip
+    shapes = [n for n, p in names.items() if p.shape != weights[n].shape]
+    if shapes:
+        raise ValueError(f"the run's weights do not fit the reference model: shapes of {shapes}")
     with torch.no_grad():
         for name, param in names.items():
             param.copy_(weights[name])
