@@ -508,12 +508,14 @@ CHECK_MUTANTS = (
         "the reference's gradients left as of the loss sum: megatron's are of the per-token mean",
     ),
     Mutant(
-        "check-reference-loss-unmasked",
+        "check-reference-rounding-not-per-token",
         CHECK + "reference_arm.py",
-        'mask = sample["loss_mask"].view(1, -1).to(summing)',
-        'mask = torch.ones_like(sample["loss_mask"]).view(1, -1).to(summing)',
-        (CHECK_PASSES,),
-        "the reference sums the loss of every token, masked ones included",
+        "reference.errors[name] / tokens,",
+        "reference.errors[name],",
+        (f"{CHECK_COMMAND}::test_a_planted_defect_fails_the_check_through_its_numbers"
+         "[attention_entry_scaled]",),
+        "the measured rounding left as of the loss sum while the values are per token: every "
+        "tolerance a token count too wide",
     ),
     Mutant(
         "check-stage-layers-not-renumbered",

@@ -84,6 +84,11 @@ DEFECTS = {
 }
 
 
+def tensor_of(difference):
+    """The quantity of a finding named ``batch <b> <arm> rank<r> <quantity>``."""
+    return difference["name"].split(" ", 4)[4]
+
+
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_a_planted_defect_fails_the_check_through_its_numbers(tmp_path, defect):
     done = run_check(tmp_path, MEGATRON_DCP_CHECK_DEFECT=defect)
@@ -95,8 +100,8 @@ def test_a_planted_defect_fails_the_check_through_its_numbers(tmp_path, defect):
     (layout,) = report["layouts"]
     assert layout["error"] is None and layout["reference"]["error"] is None
     worst = layout["reference"]["worst"][0]
-    assert not worst["passed"] and worst["name"].split(" ")[3] in lines[-1]  # the tensor named
-    failing = {d["name"].split(" ")[3] for d in layout["reference"]["worst"] if not d["passed"]}
+    assert not worst["passed"] and tensor_of(worst) in lines[-1]  # the tensor named
+    failing = {tensor_of(d) for d in layout["reference"]["worst"] if not d["passed"]}
     assert failing - {"loss"}, "no gradient tensor differs from the reference"
     if defect == "labels_shifted":  # DCP and static CP agree: only the reference arm sees it
         assert "differs from static CP" not in lines[-1]
