@@ -2,26 +2,12 @@
 their layers, a lost layer or file falls below its floor, a file outside every layer and a
 collection error fail, and the recorded floors are met by the collection of this checkout."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "count_tests.py"
-
-
-def load_counter():
-    spec = importlib.util.spec_from_file_location("count_tests", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("count_tests", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-counter = load_counter()
+counter = load_script("count_tests")
 LISTING = """tests/unit/test_a.py: 3
 tests/unit/scheduling/test_b.py: 4
 tests/distributed/test_c.py: 2

@@ -3,26 +3,14 @@ file it mutated (``scripts/mutation_check.py``; tests/README.md, "Mutation check
 the script imports neither torch nor megatron; no pytest is run here."""
 
 import hashlib
-import importlib.util
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "mutation_check.py"
-
-
-def load_check():
-    spec = importlib.util.spec_from_file_location("mutation_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("mutation_check", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-check = load_check()
+check = load_script("mutation_check")
 MUTANTS = check.MUTANTS
 
 
