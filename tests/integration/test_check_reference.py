@@ -4,27 +4,38 @@ on a tiny GPT agrees with the oracle the integration tests use (``testing.gpt``:
 megatron's ``DotProductAttention`` here against the CPU backend's reference attention there)."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from megatron_dcp.integration.patches import entries
-from megatron_dcp.integration.patches.table import apply, restore
 from megatron_dcp.testing.gpt import TinyGPTOptions, build_tiny_gpt, make_samples
 from megatron_dcp.testing.gpt import single_process_reference
 from megatron_dcp.tools.check import global_names, reference_arm
 from megatron_dcp.tools.local_ranks import run_distributed
 
 
+REFUSAL = """
+from megatron_dcp.integration.patches import entries
+from megatron_dcp.integration.patches.table import apply
+from megatron_dcp.tools.check.reference_arm import outside_runtime
+
+outside_runtime()  # a fresh interpreter: only the CPU stand-ins could be applied
+(entry,) = [e for e in entries("dcp") if e.name == "attention_rope"]
+assert apply(entry)
+outside_runtime()
+"""
+
+
 def test_the_reference_refuses_to_run_inside_the_patch_table():
-    reference_arm.outside_runtime()  # nothing applied in this process
-    (entry,) = [e for e in entries("dcp") if e.name == "attention_rope"]
-    assert apply(entry)
-    try:
-        with pytest.raises(RuntimeError, match="attention_rope"):
-            reference_arm.outside_runtime()
-    finally:
-        restore(entry)
+    # A fresh interpreter: this one has applied entries for the tests before this one.
+    done = subprocess.run([sys.executable, "-c", REFUSAL], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "RuntimeError: the reference arm runs inside the patch table: ['attention_rope']" in (
+        done.stderr
+    )
 
 
 class Layer(torch.nn.Module):
