@@ -77,9 +77,11 @@ def shortfalls(counts: Mapping[str, int], floors: Mapping[str, int]) -> List[str
 
 
 def table(counts: Mapping[str, int], floors: Mapping[str, int]) -> str:
-    rows = [f"{layer:<12} {counts.get(layer, 0):>6} {floors.get(layer, '-')!s:>6}" for layer in LAYERS]
-    total = sum(counts.values())
-    return "\n".join([f"{'layer':<12} {'tests':>6} {'floor':>6}", *rows, f"{'total':<12} {total:>6}"])
+    rows = [f"{'layer':<12} {'tests':>6} {'floor':>6}"]
+    for layer in LAYERS:
+        rows.append(f"{layer:<12} {counts.get(layer, 0):>6} {floors.get(layer, '-')!s:>6}")
+    rows.append(f"{'total':<12} {sum(counts.values()):>6}")
+    return "\n".join(rows)
 
 
 def raised(counts: Mapping[str, int], floors: Mapping[str, int]) -> Dict[str, int]:

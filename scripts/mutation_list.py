@@ -465,7 +465,8 @@ CHECK = "megatron_dcp/tools/check/"
 CHECK_VERDICT = ("tests/unit/tools/test_check_verdict.py",)
 CHECK_COMMAND = "tests/integration/test_check_command.py"
 CHECK_PASSES = f"{CHECK_COMMAND}::test_check_passes_here_with_one_verdict_line"
-CHECK_LABELS = f"{CHECK_COMMAND}::test_a_planted_defect_fails_the_check_through_its_numbers[labels_shifted]"
+CHECK_DEFECT = f"{CHECK_COMMAND}::test_a_planted_defect_fails_the_check_through_its_numbers"
+CHECK_LABELS = f"{CHECK_DEFECT}[labels_shifted]"
 CHECK_MUTANTS = (
     Mutant(
         "check-reference-dropped-from-verdict",
@@ -512,8 +513,7 @@ CHECK_MUTANTS = (
         CHECK + "reference_arm.py",
         "reference.errors[name] / tokens,",
         "reference.errors[name],",
-        (f"{CHECK_COMMAND}::test_a_planted_defect_fails_the_check_through_its_numbers"
-         "[attention_entry_scaled]",),
+        (f"{CHECK_DEFECT}[attention_entry_scaled]",),
         "the measured rounding left as of the loss sum while the values are per token: every "
         "tolerance a token count too wide",
     ),

@@ -61,7 +61,8 @@ class Stage(torch.nn.Module):
         ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.2.mlp.linear_fc1.weight"),
         ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
          "decoder.layers.3.input_layernorm.weight"),
-        ("decoder.layers.1.mlp.linear_fc1.layer_norm_bias", "decoder.layers.3.pre_mlp_layernorm.bias"),
+        ("decoder.layers.1.mlp.linear_fc1.layer_norm_bias",
+         "decoder.layers.3.pre_mlp_layernorm.bias"),
         ("output_layer.weight", "embedding.word_embeddings.weight"),
         ("decoder.final_layernorm.weight", "decoder.final_layernorm.weight"),
     ],
@@ -79,8 +80,12 @@ def reference_of(rank, world_size, samples):
     init_megatron(seed=OPTIONS.seed)
     (model,) = build_tiny_gpt(options=OPTIONS)
     config = dataclasses.replace(model.config, tensor_model_parallel_size=1)
-    gpt = {"vocab_size": OPTIONS.vocab_size, "max_sequence_length": OPTIONS.max_sequence_length,
-           "position_embedding_type": "rope", "share_embeddings_and_output_weights": False}  # fmt: skip
+    gpt = {
+        "vocab_size": OPTIONS.vocab_size,
+        "max_sequence_length": OPTIONS.max_sequence_length,
+        "position_embedding_type": "rope",
+        "share_embeddings_and_output_weights": False,
+    }
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     description = {"transformer": config, "gpt": gpt}
     return reference_arm.reference_pass(description, weights, samples, torch.float64)

@@ -137,8 +137,11 @@ def check_schedule_class(spec: BenchSpec) -> type:
             return self.recorder
 
         def save_gradients(self, batch: int) -> None:
-            by_arm = {arm: (loss, {n: g.float() for n, g in grads.items()})
-                      for arm, (loss, grads) in self.held.items() if arm in REFERENCE_ARMS}  # fmt: skip
+            by_arm = {
+                arm: (loss, {name: grad.float() for name, grad in grads.items()})
+                for arm, (loss, grads) in self.held.items()
+                if arm in REFERENCE_ARMS
+            }
             records.save_gradients(Path(spec.out), batch, dist.get_rank(), by_arm)
 
         def write(self, record: Dict[str, Any]) -> None:

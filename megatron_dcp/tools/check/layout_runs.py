@@ -129,7 +129,8 @@ def add_reference(result: LayoutResult, out: Path, precision: str, timeout_s: fl
         )
         tokens = found.get("tokens")
         if tokens and tokens[0] != tokens[1]:
-            result.reference_tokens.append(f"{where}: {tokens[0]} tokens, the reference {tokens[1]}")
+            mismatch = f"{where}: {tokens[0]} tokens, the reference {tokens[1]}"
+            result.reference_tokens.append(mismatch)
 
 
 def read_result(layout: Layout, out: Path, bench: BenchResult) -> LayoutResult:

@@ -160,6 +160,7 @@ def compare_batch(
     """Every arm's loss and every rank's gradients against the exact values. megatron's
     gradients are of the loss sum over the global token count (its per-token loss), so the
     reference's are divided by it."""
+    check_coverage(reference, by_rank)
     found = []
     for rank, by_arm in sorted(by_rank.items()):
         for arm, ((loss_sum, arm_tokens), grads) in sorted(by_arm.items()):
@@ -173,6 +174,18 @@ def compare_batch(
                                      reference.errors[name] / tokens,
                                      largest_difference(grad, exact), eps))  # fmt: skip
     return found
+
+
+def check_coverage(reference: ExactRun, by_rank: Mapping[int, Any]) -> None:
+    """Every arm's ranks together hold every tensor of the reference, and none it lacks."""
+    arms = sorted({arm for by_arm in by_rank.values() for arm in by_arm})
+    for arm in arms:
+        held = {name for by_arm in by_rank.values() for name in by_arm.get(arm, (0, {}))[1]}
+        expected = reference.tensors.keys()
+        missing, extra = sorted(expected - held), sorted(held - expected)
+        if missing or extra:
+            raise ValueError(f"{arm}'s ranks hold other gradients than the reference: missing "
+                             f"{missing}, not in the reference {extra}")  # fmt: skip
 
 
 def finding(batch: int, arm: str, rank: int, name: str, magnitude: float, rounding: float,
