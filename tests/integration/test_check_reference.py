@@ -100,3 +100,16 @@ def test_the_float64_pass_agrees_with_the_oracle_of_the_integration_tests():
     assert grads.keys() == oracle.tensors.keys()
     for name, exact in oracle.tensors.items():
         torch.testing.assert_close(grads[name], exact, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_ranks_that_miss_a_reference_tensor_are_refused():
+    from megatron_dcp.tools.check.rounding import exact_run
+
+    tensors = {"a": torch.ones(2), "b": torch.ones(3)}
+    reference = exact_run(5.0, tensors, [(5.0, tensors)])
+    by_rank = {0: {"dcp": ((5.0, 4), {"a": torch.ones(2)})}, 1: {"dcp": ((5.0, 4), {})}}
+    with pytest.raises(ValueError, match=r"dcp's ranks hold other gradients .* missing \['b'\]"):
+        reference_arm.compare_batch(0, reference, 4, by_rank, 2.0**-23)
+    by_rank[1]["dcp"][1]["b"] = torch.ones(3)
+    found = reference_arm.compare_batch(0, reference, 4, by_rank, 2.0**-23)
+    assert {(f["rank"], f["name"]) for f in found} == {(0, "loss"), (0, "a"), (1, "b")}
