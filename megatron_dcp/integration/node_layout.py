@@ -5,7 +5,7 @@ the CP groups crossing a node boundary (``scheduling.topology.node_layout`` buil
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 from megatron_dcp.scheduling.topology import NodeLayout
 

@@ -18,7 +18,6 @@ they are what that variant would have predicted for the same plans.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path

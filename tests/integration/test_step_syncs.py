@@ -25,7 +25,6 @@ itself (counted in the baseline), and the pipeline's gather of the times."""
 import random
 import time
 from collections import Counter
-from functools import partial
 from typing import Any, Callable, Dict, List
 
 import pytest
