@@ -10,7 +10,6 @@ contiguous slice of the full weight.)
 from __future__ import annotations
 
 import dataclasses
-import re
 import zlib
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -34,6 +33,7 @@ from megatron_dcp.testing.moe import (
     tensor_parallel_group,
 )
 from megatron_dcp.testing.precision import ExactRun, exact_run, to_float64
+from megatron_dcp.tools.check.global_names import parameter_gradient, renumbered, unwrap
 from megatron_dcp.tools.local_ranks import run_distributed
 
 import_megatron_core()
@@ -44,7 +44,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # n
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 Sample = dict[str, torch.Tensor]
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,25 +197,12 @@ def _build_chunk(
     )
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
     """Local parameter name -> name in the single-process model (PP stages renumber layers)."""
     model = unwrap(model)
     names = {}
     for name, _ in model.named_parameters():
-        match = _LAYER_NAME.match(name)
-        if match:
-            layer = model.decoder.layers[int(match.group(1))]
-            name_global = f"decoder.layers.{layer.layer_number - 1}.{name[match.end():]}"
-        else:
-            name_global = name
-        names[name] = global_expert_name(name_global, model.config.num_moe_experts)
+        names[name] = global_expert_name(renumbered(model, name), model.config.num_moe_experts)
     return names
 
 
@@ -256,10 +242,7 @@ def init_from_global_names(model: torch.nn.Module, seed: int) -> None:
 
 
 def _param_grad(param: torch.Tensor) -> torch.Tensor:
-    grad = getattr(param, "main_grad", None)
-    if grad is None:
-        grad = param.grad
-    return torch.zeros_like(param) if grad is None else grad.detach()
+    return parameter_gradient(param).detach()
 
 
 def _gather_tp(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

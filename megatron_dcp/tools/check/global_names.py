@@ -30,13 +30,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def renumbered(model: torch.nn.Module, local: str) -> str:
+    """``local`` with its decoder layer's index made global (a stage's layers count from 0;
+    their ``layer_number`` is the whole model's, from 1)."""
+    match = LAYER_NAME.match(local)
+    if not match:
+        return local
+    layer = model.decoder.layers[int(match.group(1))]
+    return f"decoder.layers.{layer.layer_number - 1}.{local[match.end():]}"
+
+
 def global_name(model: torch.nn.Module, local: str) -> str:
     """The single-process name of parameter ``local`` of the (unwrapped) model chunk ``model``."""
-    match = LAYER_NAME.match(local)
-    name = local
-    if match:
-        layer = model.decoder.layers[int(match.group(1))]
-        name = f"decoder.layers.{layer.layer_number - 1}.{local[match.end():]}"
+    name = renumbered(model, local)
     if name == TIED_OUTPUT and model.share_embeddings_and_output_weights:
         return WORD_EMBEDDINGS  # the last stage's copy (its gradient is summed with the first's)
     for fused, plain in FUSED_NORMS.items():
