@@ -520,8 +520,8 @@ CHECK_MUTANTS = (
     Mutant(
         "check-stage-layers-not-renumbered",
         CHECK + "global_names.py",
-        'name = f"decoder.layers.{layer.layer_number - 1}.{local[match.end():]}"',
-        'name = f"decoder.layers.{match.group(1)}.{local[match.end():]}"',
+        'return f"decoder.layers.{layer.layer_number - 1}.{local[match.end():]}"',
+        'return f"decoder.layers.{match.group(1)}.{local[match.end():]}"',
         ("tests/integration/test_check_reference.py",),
         "a pipeline stage's layers keep their local numbers: stage 2's layer 0 is named layer 0",
     ),
