@@ -7,7 +7,11 @@
 - ``c > 1``: ``Σ (a·L + b·L²/η) / c + comm·(Σ L)·(c−1)/c + ring_step·(c−1)``;
 - both plus ``spill · Σ max(0, L·L/c − spill_elements)``: attention that materialises each
   sequence's ``L/c × L`` score block per rank (the CPU backend's reference attention) slows down
-  once the block leaves the cache (0 on GPU, where kernels never materialise scores).
+  once the block leaves the cache (0 on GPU, where kernels never materialise scores);
+- both plus ``sequence · n`` for the ``n`` sequences of the pack: what every rank of a group
+  pays per sequence whatever its length, in layers that loop over a pack's sequences (on the
+  CPU backend, megatron's unfused THD RoPE and the reference attention; 0 on GPU profiles,
+  whose fused kernels take a whole pack at once).
 
 ``η`` (``cp_efficiency`` ≤ 1) is how well attention kernels keep their speed on ring chunks;
 ``comm`` is the exposed (not overlapped) cost of one token's K/V exchange; ``ring_step`` is the
@@ -58,10 +62,11 @@ class CostModel:
     nodes: Optional[NodeLayout] = None
     spill: float = 0.0
     spill_elements: float = math.inf
+    sequence: float = 0.0
 
     def __post_init__(self) -> None:
         values = (self.linear, self.quadratic, self.comm, self.ring_step, self.microbatch)
-        values += (self.spill, self.spill_elements)
+        values += (self.spill, self.spill_elements, self.sequence)
         if min(values) < 0 or self.linear + self.quadratic <= 0:
             raise ValueError(f"cost model coefficients must be ≥ 0 with a+b > 0, got {self}")
         if not 0 < self.cp_efficiency <= 1:
@@ -73,8 +78,8 @@ class CostModel:
     ) -> "CostModel":
         """Seconds per rank of training ``shape`` (default Llama-3-8B-like) on ``hardware``
         (default ``h100-nvlink``): GEMMs per token, causal attention per token pair, the exposed
-        K/V exchange, the ring steps of every attention layer pass, and every layer pass's fixed
-        overhead per micro-batch."""
+        K/V exchange, the ring steps of every attention layer pass, every layer pass's fixed
+        overhead per micro-batch, and every attention layer pass's fixed cost per sequence."""
         s = shape or ModelShape()
         hw = hardware or hardware_profile(REFERENCE_GPU_PROFILE)
         spill, spill_elements = 0.0, math.inf
@@ -91,6 +96,7 @@ class CostModel:
             microbatch=s.layer_passes() * hw.layer_pass_overhead,
             spill=spill,
             spill_elements=spill_elements,
+            sequence=s.ring_passes() * hw.sequence_pass_overhead,
         )
 
     @classmethod
@@ -116,8 +122,9 @@ class CostModel:
         return spilled_elements(seqlen, cp_size, self.spill_elements)
 
     def per_rank(self, seqlen: int, cp_size: int) -> float:
-        """One sequence's per-rank cost on a CP group of ``cp_size`` ranks, ring term excluded."""
-        cost = self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size)
+        """One sequence's per-rank cost on a CP group of ``cp_size`` ranks, ring term excluded
+        (its fixed ``sequence`` cost included: every rank of the group pays it)."""
+        cost = self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size) + self.sequence
         return cost + self.spill * self.spilled(seqlen, cp_size) if self.spill else cost
 
     def ring_cost(self, cp_size: int) -> float:

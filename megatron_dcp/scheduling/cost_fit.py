@@ -1,11 +1,11 @@
 """Fitting the cost model to measured times: features, non-negative least squares, online
 refinement (a windowed bounded ridge fit, solved in ``ridge``) and cost-profile files.
 
-The cost of a plan is linear in seven coefficients once the CP efficiency η is folded into one
-of them: ``θ = (a, b, b/η, comm, ring_step, microbatch, spill)`` against the :data:`FEATURES` of
-what a rank ran, ``(Σ L/c, Σ_{c=1} L², Σ_{c>1} L²/c, Σ_{c>1} L·(c−1)/c, Σ_{groups} (c−1),
-micro-batches, Σ max(0, L²/c − E))``; the cache size ``E`` (score elements) is a constant of the
-hardware profile, never fitted.
+The cost of a plan is linear in eight coefficients once the CP efficiency η is folded into one
+of them: ``θ = (a, b, b/η, comm, ring_step, microbatch, spill, sequence)`` against the
+:data:`FEATURES` of what a rank ran, ``(Σ L/c, Σ_{c=1} L², Σ_{c>1} L²/c, Σ_{c>1} L·(c−1)/c,
+Σ_{groups} (c−1), micro-batches, Σ max(0, L²/c − E), sequences)``; the cache size ``E`` (score
+elements) is a constant of the hardware profile, never fitted.
 :func:`group_features` and :func:`rank_features` compute them, :func:`fit` solves for ``θ``
 (relative errors, ``θ ≥ 0``) and :func:`from_coefficients` turns ``θ`` back into a
 :class:`CostModel`. Pure Python (the same floats on every rank, in the same order).
@@ -34,7 +34,9 @@ from megatron_dcp.scheduling.topology import NodeLayout
 # Steps a refinement ignores at the start: the first iteration of a run pays one-time costs
 # (process groups created lazily, allocator and autograd warm-up).
 WARM_UP_STEPS = 1
-FEATURES = ("linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch", "spill")
+FEATURES = (
+    "linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch", "spill", "sequence"
+)  # fmt: skip
 MICROBATCH = FEATURES.index("microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
 # Online refinement (see OnlineRefinement and docs/cost_model.md "Replaying recorded runs",
@@ -74,11 +76,12 @@ def group_features(
     tokens = float(sum(lengths))
     squares = float(sum(n * n for n in lengths))
     spilled = sum(spilled_elements(n, c, spill_elements) for n in lengths)
+    count = float(len(lengths))
     if c == 1:
-        return [tokens, squares, 0.0, 0.0, 0.0, 0.0, spilled]
+        return [tokens, squares, 0.0, 0.0, 0.0, 0.0, spilled, count]
     comm, ring = (nodes.comm_factor, nodes.ring_factor) if nodes and nodes.crosses(c) else (1, 1)
     comm_feature = comm * tokens * (c - 1) / c
-    return [tokens / c, 0.0, squares / c, comm_feature, ring * (c - 1.0), 0.0, spilled]
+    return [tokens / c, 0.0, squares / c, comm_feature, ring * (c - 1.0), 0.0, spilled, count]
 
 
 def rank_features(
@@ -141,6 +144,7 @@ def coefficients(cost: CostModel) -> Vector:
         cost.ring_step,
         cost.microbatch,
         cost.spill,
+        cost.sequence,
     ]
 
 
@@ -152,7 +156,7 @@ def from_coefficients(
 ) -> CostModel:
     """The cost model of ``θ``: η = b / (b/η), clamped to (0, 1] (CP attention is never faster
     than whole-sequence attention); with no whole-sequence data (b = 0) the CP rate is the rate."""
-    a, b, b_cp, comm, ring, microbatch, spill = (max(0.0, float(x)) for x in theta)
+    a, b, b_cp, comm, ring, microbatch, spill, sequence = (max(0.0, float(x)) for x in theta)
     if b <= 0:
         b, eta = b_cp, 1.0
     else:
@@ -161,7 +165,9 @@ def from_coefficients(
         raise ValueError(f"fitted coefficients {list(theta)} leave no work per token")
     if math.isinf(spill_elements):
         spill = 0.0
-    return CostModel(a, b, comm, ring, eta, name, microbatch, nodes, spill, spill_elements)
+    return CostModel(
+        a, b, comm, ring, eta, name, microbatch, nodes, spill, spill_elements, sequence
+    )
 
 
 def predict(theta: Sequence[float], features: Sequence[float]) -> float:
@@ -170,7 +176,7 @@ def predict(theta: Sequence[float], features: Sequence[float]) -> float:
 
 def fit(rows: Sequence[Sequence[float]], times: Sequence[float]) -> Vector:
     """Non-negative least squares of relative errors: ``θ ≥ 0`` minimising
-    Σ ((x·θ − t) / t)². Exact for six unknowns: every set of free coefficients is solved and the
+    Σ ((x·θ − t) / t)². Exact for every subset of unknowns: every set of free coefficients is solved and the
     best feasible solution kept (the others stay 0)."""
     if len(rows) != len(times) or not rows:
         raise ValueError("fit needs as many feature rows as times, at least one")
@@ -329,6 +335,9 @@ def _scales(prior: CostModel) -> Vector:
     # A prior without a cache size has no spill to refine (its spill feature is always 0).
     spill = 0.0 if math.isinf(prior.spill_elements) else unit / 1024
     fallbacks = [unit, unit / 1024, unit / 1024, 0.01 * unit, 16 * unit, 16 * unit, spill]
+    # Nor does one whose kernels take a whole pack at once (sequence 0: the GPU profiles); a
+    # calibrated profile (`calibrate` times packs of 1, 2 and 4 sequences) has its own.
+    fallbacks.append(0.0)
     return [t if t > 0 else f for t, f in zip(theta, fallbacks)]
 
 
@@ -354,6 +363,7 @@ class CostProfile:
                 "microbatch": c.microbatch,
                 "spill": c.spill,
                 "spill_elements": None if math.isinf(c.spill_elements) else c.spill_elements,
+                "sequence": c.sequence,
             },
             "source": self.source,
         }
@@ -383,6 +393,7 @@ def load_profile(path: str, flag: str = "--cost-profile") -> CostProfile:
             values["microbatch"],
             spill=values.get("spill", 0.0),
             spill_elements=values.get("spill_elements") or math.inf,
+            sequence=values.get("sequence", 0.0),  # profiles written before the term: none
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(

@@ -46,6 +46,10 @@ class HardwareProfile:
     # The same two for a ring step that crosses a node boundary (None: as inside a node).
     inter_node_link_bandwidth: Optional[float] = None
     inter_node_ring_step_latency: Optional[float] = None
+    # Seconds each sequence of a pack adds to one attention layer pass (forward or backward)
+    # whatever its length: layers that loop over the pack's sequences. 0: kernels that take the
+    # whole pack at once (Transformer Engine's THD attention and fused RoPE).
+    sequence_pass_overhead: float = 0.0
 
     def inter_node_factors(self) -> Tuple[float, float]:
         """How many times more a CP group that spans nodes pays for its exposed K/V exchange
@@ -112,7 +116,12 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
     # - score spill: the reference attention's forward + backward costs ~47 ns per score element
     #   (4 heads) while a sequence's scores stay under ~16 MiB, ~120 ns beyond 64 MiB (the 32 MiB
     #   L3 that both cores share): 19 ns per element of one head beyond 16 MiB
-    #   (docs/performance.md, "The missing term").
+    #   (docs/performance.md, "The missing term");
+    # - 0.49 ms per sequence and attention layer pass: megatron's unfused THD RoPE and the
+    #   reference attention each loop over a pack's sequences (a controlled sweep of packs of
+    #   equal tokens and 4 to 64 sequences per rank, scripts/bench_sequence_cost.py: 1.94 ms per
+    #   sequence and step of 2 attention layers on the 2-core AMD EPYC; docs/performance.md,
+    #   "The missing term: a cost per sequence").
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo",
         peak_flops=96e9,
@@ -125,6 +134,7 @@ HARDWARE_PROFILES: Dict[str, HardwareProfile] = {
         bytes_per_element=4,
         score_cache_bytes=16 * 2**20,
         score_spill_time=19e-9,
+        sequence_pass_overhead=0.49e-3,
     ),
 }
 

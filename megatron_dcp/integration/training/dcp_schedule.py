@@ -28,7 +28,7 @@ from megatron_dcp.scheduling.cost_fit import (
 from megatron_dcp.scheduling.metrics import imbalance as max_over_mean
 
 # Short names of the refined coefficients in the log line (cost_fit.FEATURES, in order).
-COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb", "spill")
+COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb", "spill", "seq")
 # The [DCP] line's words for an untimed step (adaptation off and no tool asking for the times).
 NOT_TIMED = "step not timed (--dcp-cost-adapt off)"
 

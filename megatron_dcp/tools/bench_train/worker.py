@@ -20,6 +20,7 @@ every sample that arm reads, so that the digest check can be seen to fail.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +35,8 @@ PLANS_FILE = "plans.jsonl"
 TIMES_FILE = "times.jsonl"
 PRIOR_FILE = "prior.json"  # the cost model iteration 1 planned with (what refinement starts from)
 DIGEST_DIR = "digests"
+PROFILE_DIR = "profile"  # bench-train --profile's attributions and traces
+TRACE_PREFIX = "trace_"  # a Chrome trace in PROFILE_DIR
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,12 @@ class BenchSpec:
     out: str
     entry: str = "pretrain_gpt"
     perturb_arm: Optional[str] = None
+    profile_batches: Sequence[int] = ()  # global batches whose every arm is profiled
 
     def to_env(self) -> str:
-        return json.dumps({**self.__dict__, "arms": list(self.arms)})
+        return json.dumps(
+            {**self.__dict__, "arms": list(self.arms), "profile_batches": list(self.profile_batches)}
+        )
 
     @classmethod
     def from_env(cls) -> "BenchSpec":
@@ -137,9 +143,11 @@ def bench_schedule_class(spec: BenchSpec, schedulers: Optional[Mapping[str, Any]
         digests: Optional[DigestingIterator] = None
 
         def __call__(self, **kwargs: Any) -> Any:
-            if not kwargs.get("forward_only", False):
-                kwargs["data_iterator"] = self.digesting(kwargs["data_iterator"], kwargs)
-            return super().__call__(**kwargs)
+            if kwargs.get("forward_only", False):
+                return super().__call__(**kwargs)
+            kwargs["data_iterator"] = self.digesting(kwargs["data_iterator"], kwargs)
+            step = functools.partial(super().__call__, **kwargs)
+            return run_step(step, spec, self.calls + 1, kwargs["model"])
 
         def build(self, model: Any) -> Any:
             wrapper = super().build(model)
@@ -181,6 +189,34 @@ def bench_schedule_class(spec: BenchSpec, schedulers: Optional[Mapping[str, Any]
                 append_line(Path(spec.out) / PLANS_FILE, as_record(batch, figures))
 
     return BenchSchedule
+
+
+def run_step(step: Callable[[], Any], spec: BenchSpec, call: int, model: Any) -> Any:
+    """Training call ``call`` (1-based), profiled when its batch is one of the spec's."""
+    batch, arm = arm_at(call, spec.arms)
+    if batch not in spec.profile_batches:
+        return step()
+    return profile_call(step, model, Path(spec.out), batch, arm)
+
+
+def profile_call(step: Callable[[], Any], model: Any, out: Path, batch: int, arm: str) -> Any:
+    """Run ``step`` under the profiler (``profiling``) and write this rank's attribution to
+    ``out/profile/<arm>_b<batch>_rank<r>.json``; rank 0 also writes the call's Chrome trace."""
+    import torch.distributed as dist
+
+    from megatron_dcp.tools.bench_train.profiling import profiled
+
+    figures: Dict[str, Any] = {}
+    with profiled(model if isinstance(model, list) else [model], figures):
+        result = step()
+    rank, folder = dist.get_rank(), out / PROFILE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = figures.pop("trace")
+    record = {"arm": arm, "batch": batch, "rank": rank, **figures}
+    (folder / f"{arm}_b{batch}_rank{rank}.json").write_text(json.dumps(record, indent=1))
+    if rank == 0:
+        trace.export_chrome_trace(str(folder / f"{TRACE_PREFIX}{arm}_b{batch}_rank0.json"))
+    return result
 
 
 def times_record(call: int, times: Any) -> Dict[str, Any]:

@@ -29,6 +29,7 @@ from megatron_dcp.tools.bench_train.results import BenchResult, collect
 from megatron_dcp.tools.bench_train.worker import (
     PLANS_FILE,
     PRIOR_FILE,
+    PROFILE_DIR,
     SPEC_VARIABLE,
     TIMES_FILE,
     BenchSpec,
@@ -94,6 +95,14 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=2, help="first batches left out (default 2)")
     p.add_argument("--out", type=Path, default=Path("bench_train_out"), help="output folder")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile every arm's step of the first N compared batches with torch.profiler and "
+        "print where the busiest rank's time goes (default 0: off; docs/performance.md)",
+    )
     p.add_argument("--entry", choices=ENTRIES, default="pretrain_gpt", help="training entry point")
     p.add_argument(
         "--oversubscribe",
@@ -123,6 +132,7 @@ def add_bench_train(sub: argparse._SubParsersAction) -> None:
 
 def bench_train(argv: Sequence[str]) -> int:
     """The whole command: check, run, check fairness, report. Returns the exit code."""
+    from megatron_dcp.tools.bench_train.profile_report import print_attribution
     from megatron_dcp.tools.bench_train.report import print_report, write_outputs
 
     options, extra = bench_parser().parse_known_args(list(argv))
@@ -131,6 +141,11 @@ def bench_train(argv: Sequence[str]) -> int:
         raise ValueError(
             f"--warmup={options.warmup}: must leave batches to compare (0 ≤ warmup < --batches="
             f"{options.batches})."
+        )
+    if not 0 <= options.profile <= options.batches - options.warmup:
+        raise ValueError(
+            f"--profile={options.profile}: profiles the first N compared batches, so 0 ≤ N ≤ "
+            f"--batches − --warmup = {options.batches - options.warmup}."
         )
     link = link_spec(options, extra)
     arms, missing = runnable(options.arms)
@@ -142,6 +157,7 @@ def bench_train(argv: Sequence[str]) -> int:
     result.unavailable.update(missing)
     print_report(result)
     write_outputs(result, options.out)
+    print_attribution(options.out)
     return 0
 
 
@@ -192,8 +208,22 @@ def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[st
         defaults["--context-parallel-size"] = nproc
     if "--varlen-distribution" in defaults and {"--sft-data", "--varlen-lengths-file"} & given:
         del defaults["--varlen-distribution"]
+    if "--dcp-prefetch" not in given and not cuda_ranks():
+        defaults["--dcp-prefetch"] = "off"  # see cuda_ranks
     bench = {"--dynamic-context-parallel": True, "--log-interval": 1, "--train-iters": iterations}
     return [*flag_list({**defaults, **bench}), *extra]
+
+
+def cuda_ranks() -> bool:
+    """Whether the ranks will compute on GPUs. Where they compute on the CPU, bench-train
+    prepares each global batch between the steps (``--dcp-prefetch off``) unless told
+    otherwise: a background preparation has no idle core to run on there (one rank per core)
+    and takes its time from the step it overlaps, which the arms' busy times would then carry
+    (docs/performance.md, "The missing term: a cost per sequence"). On a GPU the host is idle
+    while kernels run, and training's default (on) is what is measured."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_bench(
@@ -212,14 +242,16 @@ def run_bench(
 
     args.out.mkdir(parents=True, exist_ok=True)
     stale_files = [args.out / PLANS_FILE, args.out / TIMES_FILE, args.out / PRIOR_FILE]
-    stale_files += [*args.out.glob("digests/*.txt")]
+    stale_files += [*args.out.glob("digests/*.txt"), *args.out.glob(f"{PROFILE_DIR}/*.json")]
     for stale in stale_files:
         stale.unlink(missing_ok=True)
     iterations = args.batches * len(arms)
     flags = training_flags(extra, args.nproc, iterations)
     if link is not None and link.nodes > 1 and "--dcp-ranks-per-node" not in extra:
         flags += ["--dcp-ranks-per-node", str(args.nproc // link.nodes)]
-    spec = BenchSpec(arms, str(args.out), args.entry, os.environ.get("MEGATRON_DCP_BENCH_PERTURB"))
+    profiled = range(args.warmup, args.warmup + getattr(args, "profile", 0))
+    perturb = os.environ.get("MEGATRON_DCP_BENCH_PERTURB")
+    spec = BenchSpec(arms, str(args.out), args.entry, perturb, tuple(profiled))
     shaped = "" if link is None else f", link {link.rate} over {link.nodes} node(s)"
     print(
         f"bench-train: {args.entry} on {args.nproc} ranks ({available_cores()} cores){shaped}, "
