@@ -12,7 +12,8 @@
 # at most 40); run it on an otherwise idle machine. Extra arguments go to every bench-train run. Environment (for short runs):
 #   PY=python          interpreter (default: .venv/bin/python after scripts/setup_env.sh)
 #   WORKLOADS, RATES   subsets, e.g. WORKLOADS="documents long" RATES="unshaped 100mbit"
-#   REPEAT_RATES       rates at which the long workload runs twice more (default "300mbit 100mbit")
+#   REPEAT_WORKLOADS   workloads run twice more at REPEAT_RATES (default long)
+#   REPEAT_RATES       rates of those repeats (default "300mbit 100mbit")
 #   NODES_RATE         rate of the two-node run ("" skips it; default 100mbit)
 #   BATCHES, WARMUP    global batches per arm, warm-up included (default 8, 2)
 #   OUT                output folder (default bench_out/links)
@@ -22,6 +23,7 @@ if [ -z "${PY:-}" ]; then bash scripts/setup_env.sh; PY=.venv/bin/python; fi
 OUT=${OUT:-bench_out/links}
 WORKLOADS=${WORKLOADS:-documents sft rl long}
 RATES=${RATES:-unshaped 1gbit 300mbit 100mbit}
+REPEAT_WORKLOADS=${REPEAT_WORKLOADS-long}
 REPEAT_RATES=${REPEAT_RATES-300mbit 100mbit}
 NODES_RATE=${NODES_RATE-100mbit}
 BATCHES=${BATCHES:-8}
@@ -92,11 +94,13 @@ for workload in $WORKLOADS; do
     run "$workload" "$rate" "" 2
   done
 done
-case " $WORKLOADS " in *" long "*)
-  for rate in $REPEAT_RATES; do
-    for tag in r2 r3; do run long "$rate" "$tag" 2; done
-  done ;;
-esac
+for workload in $REPEAT_WORKLOADS; do
+  case " $WORKLOADS " in *" $workload "*)
+    for rate in $REPEAT_RATES; do
+      for tag in r2 r3; do run "$workload" "$rate" "$tag" 2; done
+    done ;;
+  esac
+done
 if [ -n "$NODES_RATE" ]; then  # budget 512: the longest sequences need CP 4
   run long "$NODES_RATE" 2nodes 4 --oversubscribe --nodes 2 --max-seqlen-per-dp-cp-rank 512
 fi

@@ -13,7 +13,9 @@ For every probe it prints the measured time, the ``h100-nvlink`` profile's predi
 layer (the per-layer share of ``CostModel.from_model_shape``) and the prediction of the three
 coefficients fitted to all probes (least squares on relative error), then the fitted coefficients
 beside the profile's and the efficiencies they imply (H100 and H200 share the 989 TFLOP/s dense
-bf16 peak). docs/performance.md ("On a GPU") holds a run.
+bf16 peak). Last, the fixed cost per sequence of megatron's unfused THD RoPE (the cost model's
+``sequence`` term where it runs; :func:`sequence_probe`). docs/performance.md ("On a GPU") holds
+a run.
 """
 
 from __future__ import annotations
@@ -139,14 +141,66 @@ def main() -> int:
     theta = fit(rows)
     report(rows, theta, model)
     chunks = ring_chunks()
+    per_sequence = sequence_probe()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
                 dict(device=torch.cuda.get_device_name(), rows=rows, fit=theta.tolist(),
-                     ring_chunks=chunks),
+                     ring_chunks=chunks, sequence=per_sequence),
                 f,
             )
     return 0
+
+
+class OneRank:
+    """A CP group of one rank, for megatron's THD RoPE (it asks the group's size and rank)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def sequence_probe(tokens: int = 8192, repeats: int = 10) -> Optional[dict]:
+    """The cost model's ``sequence`` term on this GPU where megatron's unfused THD RoPE runs
+    (no Transformer Engine, or ``--no-rope-fusion``): forward + backward of RoPE on the query and
+    key of one layer (32 and 8 heads × 128 dims) for packs of ``tokens`` tokens in n sequences;
+    the slope over n is the fixed cost each sequence adds to one attention layer pass pair.
+    With Transformer Engine's fused RoPE (megatron's default) the pack takes one kernel: the
+    GPU profiles carry no such term. None (and a line saying why) where megatron is missing."""
+    try:
+        from megatron_dcp.integration.megatron_import import import_megatron_core
+
+        import_megatron_core()
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+    except ImportError as error:
+        print(f"\nsequence probe skipped: megatron-core is not importable ({error})")
+        return None
+    dim = SHAPE.head_dim
+    freqs = torch.randn(tokens, 1, 1, dim, device="cuda", dtype=torch.float32)
+    rows = []
+    for count in (1, 4, 16, 64, 256):
+        bounds = torch.linspace(0, tokens, count + 1, device="cuda").round().int()
+        q = torch.randn(tokens, 32, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(tokens, 8, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        times = []
+        for i in range(repeats + 3):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = [_apply_rotary_pos_emb_thd(t, bounds, freqs, cp_group=OneRank()) for t in (q, k)]
+            (out[0].float().sum() + out[1].float().sum()).backward()
+            stop.record()
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(start.elapsed_time(stop) / 1e3)
+        rows.append(dict(sequences=count, seconds=statistics.median(times)))
+    slope = np.polyfit([r["sequences"] for r in rows], [r["seconds"] for r in rows], 1)[0]
+    print(f"\nunfused THD RoPE, {tokens} tokens, q and k, fwd+bwd:   sequences   ms")
+    for r in rows:
+        print(f"{'':52}{r['sequences']:>9} {1e3 * r['seconds']:>6.3f}")
+    print(f"per sequence and attention layer (forward + backward): {1e3 * slope:.4f} ms")
+    return dict(rows=rows, seconds_per_sequence_per_layer=float(slope))
 
 
 def attention_seconds(queries: int, keys: int, causal: bool, repeats: int = 10) -> float:

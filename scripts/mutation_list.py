@@ -536,4 +536,55 @@ CHECK_MUTANTS = (
     ),
 )
 
-MUTANTS = RUNTIME_MUTANTS + PATCH_MUTANTS + LOSS_MUTANTS + VALIDATION_MUTANTS + CHECK_MUTANTS
+SEQUENCE_TESTS = ("tests/unit/scheduling/test_sequence_cost.py",)
+PROFILING_TESTS = ("tests/unit/tools/test_profiling.py",)
+COST_MUTANTS = (
+    Mutant(
+        "cost-sequence-not-priced",
+        "megatron_dcp/scheduling/cost.py",
+        "cost = self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size) + self.sequence",
+        "cost = self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size)",
+        SEQUENCE_TESTS,
+        "the fixed cost per sequence dropped from the model: the planner packs as if a pack of "
+        "many short sequences cost what one sequence of their tokens does",
+    ),
+    Mutant(
+        "cost-sequence-not-from-profile",
+        "megatron_dcp/scheduling/cost.py",
+        "sequence=s.ring_passes() * hw.sequence_pass_overhead,",
+        "sequence=hw.sequence_pass_overhead,",
+        SEQUENCE_TESTS,
+        "the profile's cost per sequence and attention pass taken as the whole model's",
+    ),
+    Mutant(
+        "fit-sequences-not-counted",
+        "megatron_dcp/scheduling/cost_fit.py",
+        "    count = float(len(lengths))",
+        "    count = float(len(lengths) > 0)",
+        SEQUENCE_TESTS,
+        "the fit's sequence feature counts packs, not sequences: calibrate and the refinement "
+        "cannot see the term",
+    ),
+    Mutant(
+        "profile-backward-to-engine",
+        "megatron_dcp/tools/bench_train/profiling.py",
+        '        return forward_region.get(node.sequence_nr, BACKWARD_ENGINE) + "/backward"',
+        '        return BACKWARD_ENGINE + "/backward"',
+        PROFILING_TESTS,
+        "every backward op counted as the autograd engine's: no region gets its backward time",
+    ),
+    Mutant(
+        "profile-outermost-range",
+        "megatron_dcp/tools/bench_train/profiling.py",
+        "        if event.name.startswith(PREFIX):\n            return event.name[len(PREFIX):]",
+        "        if event.name.startswith(PREFIX) and event.cpu_parent is None:\n"
+        "            return event.name[len(PREFIX):]",
+        PROFILING_TESTS,
+        "time goes to the outermost range: the model's regions vanish into the step's",
+    ),
+)
+
+MUTANTS = (
+    RUNTIME_MUTANTS + PATCH_MUTANTS + LOSS_MUTANTS + VALIDATION_MUTANTS + CHECK_MUTANTS
+    + COST_MUTANTS
+)  # fmt: skip

@@ -5,9 +5,10 @@ domains, tiny, near-maximal and too-long lengths)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
+from megatron_dcp.scheduling.cost import CostModel, build_cost_model
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.tools.plan_check import is_pow2
 
@@ -15,6 +16,9 @@ from megatron_dcp.tools.plan_check import is_pow2
 MAX_DOMAIN = 64
 MAX_SEQUENCES = 300
 MAX_BUDGET = 4096
+# A sequence's fixed cost in tokens of linear work a case draws: none, a GPU-like few, and the
+# CPU backend's (0.49 ms per attention pass against ~0.02 ms per token: ~100 tokens).
+SEQUENCE_TOKENS = (0.0, 0.0, 4.0, 100.0)
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class FuzzCase:
     min_cp_size: int
     vpp: Optional[int]
     seqlens: Tuple[int, ...]
+    # Each sequence's fixed cost in tokens of linear work (``CostModel.sequence``; 0: the
+    # reference model's, which has none).
+    sequence_tokens: float = 0.0
 
     @property
     def size(self) -> int:
@@ -43,6 +50,11 @@ class FuzzCase:
             microbatch_group_size_per_vp_stage=self.vpp,
         )
 
+    def cost_model(self) -> CostModel:
+        """The cost model the case plans with: the reference model with its sequence cost."""
+        cost = build_cost_model()
+        return replace(cost, sequence=self.sequence_tokens * cost.linear)
+
     def domain(self) -> Domain:
         """The domain (raises ValueError on bad settings)."""
         return Domain(self.dp_size, self.cp_size, self.budget, self.min_cp_size)
@@ -50,6 +62,9 @@ class FuzzCase:
     def reproducer(self, name: str) -> str:
         """A line of Python that schedules this case with ``name`` (lengths cut when long)."""
         args = ", ".join(f"{k}={v}" for k, v in self.kwargs().items())
+        if self.sequence_tokens:
+            sequence = self.cost_model().sequence
+            args += f", cost_model=replace(build_cost_model(), sequence={sequence!r})"
         lengths = list(self.seqlens)
         text = f"build_scheduler({name!r}, {args}).schedule({lengths})"
         if len(text) > 600:
@@ -96,4 +111,7 @@ def draw_case(seed: int, index: int) -> FuzzCase:
     """Case ``index`` of the run with ``seed`` (independent of the other cases)."""
     rng = random.Random(seed * 1_000_003 + index)
     dp, cp, budget, min_cp, vpp = draw_domain(rng)
-    return FuzzCase(dp, cp, budget, min_cp, vpp, draw_lengths(rng, dp * cp, budget))
+    lengths = draw_lengths(rng, dp * cp, budget)
+    # Its own stream: the domain and lengths of a seed's cases stay what they were before it.
+    sequence = random.Random(f"{seed}:{index}:sequence").choice(SEQUENCE_TOKENS)
+    return FuzzCase(dp, cp, budget, min_cp, vpp, lengths, sequence)

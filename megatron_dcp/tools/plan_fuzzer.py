@@ -72,7 +72,7 @@ def run_case(name: str, case: FuzzCase) -> CaseVerdict:
     feasibility oracle :func:`rejection`."""
     expected = rejection(name, case)
     try:
-        scheduler = build_scheduler(name, **case.kwargs())
+        scheduler = build_scheduler(name, cost_model=case.cost_model(), **case.kwargs())
         plan = scheduler.schedule(list(case.seqlens))
     except InvalidPlanError as error:  # a ValueError, but the scheduler's fault
         return CaseVerdict(None, (f"schedule() built an invalid plan: {_short(error)}",))

@@ -2,7 +2,7 @@
 real training steps; a run whose one arm reads perturbed samples is refused by the digest check
 (the fault injected through the worker's test-only ``MEGATRON_DCP_BENCH_PERTURB``; that run has
 the cost model's refinement off, and its steps are timed all the same). The fair
-run trained the model its flags ask for (megatron's parameter count in its log against
+run (its first compared batch profiled: ``--profile 1``) trained the model its flags ask for (megatron's parameter count in its log against
 ``testing.model_size``), and its refinement replayed offline predicts its ``[DCP]`` lines."""
 
 import json
@@ -25,9 +25,10 @@ BENCH = ["--nproc", "2", "--arms", "static,dcp", "--batches", "3", "--warmup", "
 
 
 def test_a_fair_run_reports_every_arm_from_real_steps(tmp_path, capsys):
-    assert bench_train([*BENCH, "--out", str(tmp_path), *TINY]) == 0
+    assert bench_train([*BENCH, "--out", str(tmp_path), "--profile", "1", *TINY]) == 0
     printed = capsys.readouterr().out
     assert "one rank per core" in printed and "speedup vs static" in printed
+    check_attribution(printed, tmp_path)
     result = json.loads((tmp_path / "bench_train.json").read_text())
     turns = ["static", "dcp", "dcp", "static", "static", "dcp"]  # rotated every batch
     assert [s["arm"] for s in result["steps"]] == turns
@@ -38,6 +39,25 @@ def test_a_fair_run_reports_every_arm_from_real_steps(tmp_path, capsys):
     flags = flags_of(training_flags(TINY, 2, len(turns)))
     check_model_size(flags, parse_log((tmp_path / "train.log").read_text()).parameters)
     check_replay(tmp_path, result["flags"])
+
+
+def check_attribution(printed, out):
+    """--profile 1: the first compared batch of each arm profiled, its table printed and kept,
+    every region of the model and of the batch's preparation found, each arm's busiest rank
+    holding the sequences and micro-batches its plan gave it."""
+    table = (out / "profile" / "attribution.md").read_text()
+    assert table.splitlines()[2] in printed
+    for region in ("core attention", "RoPE", "MLP", "QKV/out projections", "loss", "read samples",
+                   "plan", "K/V exchange", "autograd engine"):  # fmt: skip
+        assert f"| {region} |" in table, region
+    assert sorted(p.name for p in (out / "profile").glob("*_rank*.json")) == [
+        "dcp_b1_rank0.json", "dcp_b1_rank1.json", "static_b1_rank0.json", "static_b1_rank1.json",
+        "trace_dcp_b1_rank0.json", "trace_static_b1_rank0.json",
+    ]  # fmt: skip
+    plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
+    static = plans[1]["arms"]["static"]
+    held = [row for row in table.splitlines() if row.startswith("| *sequences held*")][0]
+    assert held.split("|")[4].strip() == f"{len(static['sequences'][0]):.1f}"  # every sequence
 
 
 def check_replay(out, flags):

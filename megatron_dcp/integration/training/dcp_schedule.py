@@ -165,11 +165,16 @@ class DCPSchedule:
         """The refined coefficients as factors of the prior's (empty when not refining)."""
         if self.refinement is None:
             return ""
-        labels = COEFFICIENT_LABELS
-        if math.isinf(self.refinement.prior.spill_elements):
-            labels = labels[:-1]  # no cache size: nothing spills, nothing to refine
+        prior = self.refinement.prior
+        skipped = set()  # terms the prior has none of: nothing to refine
+        if math.isinf(prior.spill_elements):
+            skipped.add("spill")  # no cache size: nothing spills
+        if prior.sequence == 0:
+            skipped.add("seq")  # kernels that take a whole pack at once
         factors = " ".join(
-            f"{label} {factor:.3g}" for label, factor in zip(labels, self.refinement.factors)
+            f"{label} {factor:.3g}"
+            for label, factor in zip(COEFFICIENT_LABELS, self.refinement.factors)
+            if label not in skipped
         )
         return f" | cost x prior: {factors}"
 

@@ -118,7 +118,8 @@ def marked_regions(models: List[torch.nn.Module]) -> Iterator[None]:
     with ExitStack() as stack:
         for module_name, attribute, region in FUNCTION_REGIONS:
             owner = importlib.import_module(module_name)
-            stack.enter_context(patched(owner, attribute, ranged(getattr(owner, attribute), region)))
+            wrapped = ranged(getattr(owner, attribute), region)
+            stack.enter_context(patched(owner, attribute, wrapped))
         for module_name, class_name, method, region in METHOD_REGIONS:
             owner = getattr(importlib.import_module(module_name), class_name)
             stack.enter_context(patched(owner, method, ranged(getattr(owner, method), region)))

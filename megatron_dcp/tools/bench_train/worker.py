@@ -50,9 +50,8 @@ class BenchSpec:
     profile_batches: Sequence[int] = ()  # global batches whose every arm is profiled
 
     def to_env(self) -> str:
-        return json.dumps(
-            {**self.__dict__, "arms": list(self.arms), "profile_batches": list(self.profile_batches)}
-        )
+        profiled = list(self.profile_batches)
+        return json.dumps({**self.__dict__, "arms": list(self.arms), "profile_batches": profiled})
 
     @classmethod
     def from_env(cls) -> "BenchSpec":

@@ -62,6 +62,10 @@ DEFAULTS: Dict[str, object] = {
     "--eval-iters": 0,
     "--eval-interval": 1000000,
 }
+# Added where the ranks compute on the CPU (``cuda_ranks``): the next batch prepared between the
+# steps, not in a background thread; samples read in the rank's process, not by data-loader
+# worker processes (whose samples cross to the rank one shared-memory handle per tensor).
+CPU_DEFAULTS: Dict[str, object] = {"--dcp-prefetch": "off", "--num-workers": 0}
 # Set by the command whatever the user passes: the run is a benchmark of these arms.
 FORCED_FLAGS = ("--dynamic-context-parallel", "--log-interval", "--train-iters")
 # With --link-rate, bench-train passes the probed link bandwidth unless one of these is given.
@@ -208,19 +212,19 @@ def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[st
         defaults["--context-parallel-size"] = nproc
     if "--varlen-distribution" in defaults and {"--sft-data", "--varlen-lengths-file"} & given:
         del defaults["--varlen-distribution"]
-    if "--dcp-prefetch" not in given and not cuda_ranks():
-        defaults["--dcp-prefetch"] = "off"  # see cuda_ranks
+    if not cuda_ranks():  # no idle core for background work: see cuda_ranks
+        defaults.update({f: v for f, v in CPU_DEFAULTS.items() if f not in given})
     bench = {"--dynamic-context-parallel": True, "--log-interval": 1, "--train-iters": iterations}
     return [*flag_list({**defaults, **bench}), *extra]
 
 
 def cuda_ranks() -> bool:
     """Whether the ranks will compute on GPUs. Where they compute on the CPU, bench-train
-    prepares each global batch between the steps (``--dcp-prefetch off``) unless told
-    otherwise: a background preparation has no idle core to run on there (one rank per core)
-    and takes its time from the step it overlaps, which the arms' busy times would then carry
-    (docs/performance.md, "The missing term: a cost per sequence"). On a GPU the host is idle
-    while kernels run, and training's default (on) is what is measured."""
+    adds :data:`CPU_DEFAULTS` unless the user gives those flags: with one rank per core no
+    core is idle for background work, which then takes its time from the step it overlaps,
+    and the arms' busy times would carry it (docs/performance.md, "The missing term: a cost
+    per sequence"). On a GPU the host is idle while kernels run, and training's defaults are
+    what is measured."""
     import torch
 
     return torch.cuda.is_available()

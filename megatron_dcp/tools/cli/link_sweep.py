@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_dcp.tools.link_sweep.runs import read_machine, read_sweep
 from megatron_dcp.tools.link_sweep.sweep_table import markdown_table
+from megatron_dcp.tools.link_sweep.planner_targets import check_planner_targets
 from megatron_dcp.tools.link_sweep.targets import check_targets
 
 PNG_FILE = "link_sweep.png"
@@ -43,8 +44,11 @@ def cmd_link_sweep(args: argparse.Namespace) -> int:
         else "no FLOP rate (machine.json missing, no --flops-per-s): FLOPs/byte not shown"
     )
     print("\n".join(markdown_table(runs, flops)))
-    print("\ntargets of issue 39:")
+    print("\ncommunication targets (DCP against static CP, the model against the clock):")
     for target in check_targets(runs, flops):
+        print(f"- {target.line()}")
+    print("\nplanner targets (DCP against Megatron dev's planner, near the limit):")
+    for target in check_planner_targets(runs):
         print(f"- {target.line()}")
     path = args.png or args.folder / PNG_FILE
     try:

@@ -1,4 +1,4 @@
-"""The targets of issue 39 ("where communication costs"), each checked over every run of a
+"""The communication targets ("where communication costs"), each checked over every run of a
 link-rate sweep: met or not, with the runs that decide it.
 
 - never slower: in every run, DCP's 95 % interval over static and over Megatron dev reaches 1

@@ -61,8 +61,8 @@ def layouts(draw, static_cp: bool = False):
 
 
 def cost_models(spill: bool = False, nodes: bool = False):
-    """Cost models from compute-bound to overhead-bound (ring steps, fixed micro-batch cost, CP
-    efficiency); with ``spill``, score spill too (a cost that falls as c grows), with ``nodes``
+    """Cost models from compute-bound to overhead-bound (ring steps, fixed micro-batch cost, a
+    fixed cost per sequence, CP efficiency); with ``spill``, score spill too (a cost that falls as c grows), with ``nodes``
     node tiers (1, 2 or 4 ranks per node, dearer K/V exchange and ring steps across them)."""
     return st.builds(
         CostModel,
@@ -72,6 +72,7 @@ def cost_models(spill: bool = False, nodes: bool = False):
         ring_step=st.floats(0.0, 500.0),
         microbatch=st.floats(0.0, 1000.0),
         cp_efficiency=st.floats(0.3, 1.0),
+        sequence=st.sampled_from([0.0, 0.5, 40.0]),
         spill=st.sampled_from([0.0, 0.5]) if spill else st.just(0.0),
         spill_elements=st.sampled_from([math.inf, 1e4]) if spill else st.just(math.inf),
         nodes=st.one_of(st.none(), node_layouts()) if nodes else st.none(),
