@@ -6,8 +6,8 @@ Every run trains the same GPT on sequences of one length L, with the tokens per 
 fixed (global batch = TOKENS / L sequences), so that only the number of sequences a rank packs
 changes, and with it the quadratic attention work (Σ L² = tokens × L). Each run is a
 ``megatron-dcp bench-train`` of the arms static and dcp with ``--dcp-prefetch off`` (the batch's
-preparation between steps, outside the timed steps); the dcp arm puts every sequence on one rank
-(L ≤ the budget). For each L the script reads:
+preparation between steps, outside the timed steps; bench-train's default on CPU, given here for
+any machine); the dcp arm puts every sequence on one rank (L ≤ the budget). For each L the script reads:
 
 - the dcp arm's busy forward-backward seconds per rank and step (``times.jsonl``) of the
   batches that were not profiled, with the plan's features (``plans.jsonl``);
@@ -79,12 +79,9 @@ def region_points(folder: Path) -> Dict[str, List[Tuple[float, float, float]]]:
     average (the caller fills in Σ L²)."""
     from megatron_dcp.tools.bench_train.profile_report import busiest
 
-    summary = busiest(folder)["dcp"]
-    batches = summary["batches"]
-    points: Dict[str, List[Tuple[float, float, float]]] = {}
-    for region, seconds in summary["regions"].items():
-        points[region] = [(0.0, summary["sequences"] / batches, seconds / batches)]
-    return points
+    rank = busiest(folder)["dcp"]
+    sequences = rank.per_batch("sequences")
+    return {region: [(0.0, sequences, rank.ms(region) / 1e3)] for region in rank.regions}
 
 
 def fit(points: List[Tuple[float, float, float]]) -> Tuple[float, float, float]:
@@ -105,7 +102,6 @@ def main(argv: Sequence[str]) -> int:
     lengths = [int(v) for v in options.lengths.split(",")]
     busy: List[Tuple[float, float, float]] = []
     regions: Dict[str, List[Tuple[float, float, float]]] = {}
-    print("| L | sequences per rank-step | busy ms (median) | " + "RoPE ms | core attention ms |")
     rows = []
     for length in lengths:
         folder = run(length, options.tokens, options.out, options.python)
@@ -120,11 +116,13 @@ def main(argv: Sequence[str]) -> int:
                      1e3 * statistics.median(s for _, _, s in points),
                      1e3 * per_region.get("RoPE", [(0, 0, 0)])[0][2],
                      1e3 * per_region.get("core attention", [(0, 0, 0)])[0][2]))  # fmt: skip
+    print("\n| L | sequences per rank-step | busy ms (median) | RoPE ms | core attention ms |")
+    print("|---:|---:|---:|---:|---:|")
     for row in rows:
         print("| {} | {:.0f} | {:.1f} | {:.1f} | {:.1f} |".format(*row))
     c, b, s = fit(busy)
     print(f"\nbusy = {1e3 * c:.1f} ms + {1e9 * b:.2f} ns · Σ L² + {1e3 * s:.3f} ms · sequences")
-    print("\nper region (busiest rank of the profiled batches, profiler on): ms per sequence")
+    print("\nper region (the busiest rank of the profiled batches, profiler on): ms per sequence")
     for region, points in sorted(regions.items(), key=lambda kv: -fit(kv[1])[2]):
         print(f"  {region:32s} {1e3 * fit(points)[2]:7.3f}")
     return 0
