@@ -537,7 +537,7 @@ CHECK_MUTANTS = (
 )
 
 SEQUENCE_TESTS = ("tests/unit/scheduling/test_sequence_cost.py",)
-PROFILING_TESTS = ("tests/unit/tools/test_profiling.py",)
+PROFILING_TESTS = ("tests/integration/test_profiling.py",)
 COST_MUTANTS = (
     Mutant(
         "cost-sequence-not-priced",
@@ -564,6 +564,15 @@ COST_MUTANTS = (
         SEQUENCE_TESTS,
         "the fit's sequence feature counts packs, not sequences: calibrate and the refinement "
         "cannot see the term",
+    ),
+    Mutant(
+        "lower-bound-sequences-capped-by-tokens",
+        "megatron_dcp/scheduling/lower_bound.py",
+        "        fixed = count * cost.sequence + cost.ring_cost(size)",
+        "        fixed = cost.ring_cost(size)",
+        SEQUENCE_TESTS,
+        "the idle bound caps a half's load by its tokens alone: tiny sequences' fixed costs "
+        "exceed it and the bound rises above a real plan's critical path",
     ),
     Mutant(
         "profile-backward-to-engine",

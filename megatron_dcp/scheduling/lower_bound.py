@@ -152,9 +152,9 @@ def unpaired_half_idle(
     ``X_s = N · per_rank(L_s, N) − W_s`` more than its least work ``W_s``. (b) Onto one aligned
     half, the other half holding another half-domain sample: nothing is charged. (c) Onto one
     half, the other holding only groups of shorter samples (c ≤ N/2 ranks each): per-rank cost
-    ``per_rank(L, c)`` is convex in L and 0 at L = 0, so ``per_rank / L`` grows with L, and a
-    group of T ≤ c · budget tokens whose longest sample is ℓ costs at most
-    ``T · per_rank(ℓ, c) / ℓ + ring_cost(c)`` per rank. The largest such cap over sizes, ``G``
+    less each sequence's fixed cost, ``p(L) = per_rank(L, c) − sequence``, is convex in L and 0
+    at L = 0, so ``p / L`` grows with L, and a group of T ≤ c · budget tokens in k sequences whose
+    longest is ℓ costs at most ``T · p(ℓ) / ℓ + k · sequence + ring_cost(c)`` per rank. The largest such cap over sizes, ``G``
     (:func:`shorter_group_cap`), bounds every rank of that half, while the micro-batch's peak is
     at least s's group, ``per_rank(L_s, N/2) + ring_cost(N/2)``: the half idles
     ``N/2 · (peak − G)`` at least.
@@ -193,27 +193,33 @@ def shorter_group_cap(
 ) -> Optional[float]:
     """The most per-rank cost a group of c ≤ N/2 ranks can carry holding only the ``shorter``
     samples (length -> how many; :func:`unpaired_half_idle`), the largest over sizes of
-    ``T · per_rank(ℓ, c) / ℓ + ring_cost(c)``: ℓ the longest of them that fits c ranks, T the
-    least of c · budget and their tokens. None when there are none (a half is then covered by a
-    half-domain sample or not at all)."""
-    longest: Dict[int, int] = {}  # by minimum CP size: the longest sample and the tokens
+    ``T · (per_rank(ℓ, c) − sequence) / ℓ + k · sequence + ring_cost(c)``: ℓ the longest of them
+    that fits c ranks, T the least of c · budget and their tokens, k how many fit c ranks (each
+    sequence's fixed cost, ``CostModel.sequence``, is no cost per token: the rest of
+    ``per_rank`` is convex in L and 0 at L = 0). None when there are none (a half is then
+    covered by a half-domain sample or not at all)."""
+    longest: Dict[int, int] = {}  # by minimum CP size: the longest sample, tokens, samples
     tokens: Dict[int, int] = {}
+    samples: Dict[int, int] = {}
     for length, number in shorter.items():
         size = degree[length]
         longest[size] = max(longest.get(size, 0), length)
         tokens[size] = tokens.get(size, 0) + length * number
+        samples[size] = samples.get(size, 0) + number
     cap: Optional[float] = None
-    most = total = 0
+    most = total = count = 0
     for size in domain.group_sizes:
         if size > domain.size // 2:
             break
         if size in longest:
             most, total = max(most, longest[size]), total + tokens[size]
+            count += samples[size]
         elif cap is None:
             continue  # no sample fits a group of this size
         held = min(size * domain.budget, total)
-        work = held * cost.per_rank(most, size) / most if most else 0.0
-        cap = max(-math.inf if cap is None else cap, work + cost.ring_cost(size))
+        work = held * (cost.per_rank(most, size) - cost.sequence) / most if most else 0.0
+        fixed = count * cost.sequence + cost.ring_cost(size)
+        cap = max(-math.inf if cap is None else cap, work + fixed)
     return cap
 
 

@@ -7,6 +7,8 @@ from dataclasses import replace
 import pytest
 
 from megatron_dcp.scheduling import CPGroup, Domain, InvalidPlanError, MicroBatch, Plan, Scheduler
+from megatron_dcp.scheduling.cost import build_cost_model
+from megatron_dcp.tools.fuzz_cases import SEQUENCE_TOKENS, draw_case
 from megatron_dcp.tools.plan_check import check_plan, min_bins_bounds
 from megatron_dcp.tools.plan_fuzzer import run_fuzz
 
@@ -153,3 +155,19 @@ def test_run_fuzz_catches_and_shrinks_a_broken_scheduler(registered_names):
     assert any("tokens >" in text for text in result.violations)
     reproducer = result.violations[0].split(" | ")[1]
     assert reproducer.startswith("build_scheduler('test_unchecked_single_microbatch'")
+
+
+def test_fuzz_cases_draw_a_cost_per_sequence_without_changing_their_domains_or_lengths():
+    """The cost per sequence has its own random stream, so a seed's domains and lengths are what
+    they were before it (``test_plan_digests`` pins the plans of seed 0's first 60 cases); a
+    case's reproducer names the cost model it planned with."""
+    cases = [draw_case(0, index) for index in range(200)]
+    drawn = {case.sequence_tokens for case in cases}
+    assert drawn == set(SEQUENCE_TOKENS) and 0.0 in drawn
+    for case in cases:
+        assert case.cost_model().sequence == case.sequence_tokens * build_cost_model().linear
+        assert ("cost_model=replace(" in case.reproducer("default_dynamic_cp")) == bool(
+            case.sequence_tokens
+        )
+    plain = replace(cases[0], sequence_tokens=0.0)
+    assert plain.cost_model() == build_cost_model()

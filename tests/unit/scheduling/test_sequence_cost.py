@@ -28,7 +28,8 @@ from megatron_dcp.scheduling.cost_fit import (
     save_profile,
 )
 from megatron_dcp.scheduling.hardware import HARDWARE_PROFILES, hardware_profile
-from megatron_dcp.scheduling.metrics import critical_path
+from megatron_dcp.scheduling.cost import build_cost_model
+from megatron_dcp.scheduling.metrics import critical_path, lower_bound
 from megatron_dcp.scheduling.model_shape import ModelShape
 
 # The GPT of the benchmarks (2 layers, hidden 128, 4 heads, FFN 512).
@@ -115,3 +116,15 @@ def test_rank_features_of_a_plan_count_every_sequence_at_every_rank_of_its_group
     batch = conversation_batches(count=1)[0]
     rows = rank_features(scheduler.schedule(batch))
     assert [row[FEATURES.index("sequence")] for row in rows] == [len(batch)] * 2
+
+
+def test_the_lower_bound_holds_when_tiny_sequences_cost_more_than_their_tokens():
+    """Found by the fuzzer: a half-domain sample beside seven tiny ones (three empty). The idle
+    bound capped the other half's load by its tokens; seven sequences' fixed costs exceed it."""
+    cost = replace(build_cost_model(), sequence=0.00036423013623458037)
+    scheduler = build_scheduler(
+        "default_dynamic_cp", dp_size=1, cp_size=4, max_seqlen_per_dp_cp_rank=64, min_cp_size=2,
+        cost_model=cost,
+    )  # fmt: skip
+    plan = scheduler.schedule([65, 3, 0, 0, 2, 2, 0, 2])
+    assert lower_bound(plan, cost) <= critical_path(plan, cost) * (1 + 1e-12)

@@ -120,3 +120,18 @@ def test_training_flags_take_the_users_over_the_defaults_and_refuse_forced_ones(
     assert flags[flags.index("--train-iters") + 1] == "9"
     with pytest.raises(ValueError, match="--train-iters: bench-train sets"):
         training_flags(["--train-iters", "5"], nproc=2, iterations=9)
+
+
+def test_on_cpu_the_preparation_runs_between_the_steps_unless_the_user_says_otherwise(monkeypatch):
+    """Where the ranks compute on the CPU, no background work: no prefetch thread, no data-loader
+    worker processes (each would take its time from the step it overlaps); the user's flags
+    win. On a GPU, training's defaults."""
+    monkeypatch.setattr(command, "cuda_ranks", lambda: False)
+    flags = training_flags([], nproc=2, iterations=3)
+    assert flags[flags.index("--dcp-prefetch") + 1] == "off"
+    assert flags[flags.index("--num-workers") + 1] == "0"
+    flags = training_flags(["--dcp-prefetch", "on", "--num-workers", "2"], nproc=2, iterations=3)
+    assert flags.count("--dcp-prefetch") == flags.count("--num-workers") == 1
+    assert flags[flags.index("--dcp-prefetch") + 1] == "on"
+    monkeypatch.setattr(command, "cuda_ranks", lambda: True)
+    assert "--dcp-prefetch" not in training_flags([], nproc=2, iterations=3)
