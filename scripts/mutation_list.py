@@ -575,6 +575,23 @@ COST_MUTANTS = (
         "exceed it and the bound rises above a real plan's critical path",
     ),
     Mutant(
+        "bench-data-path-keeps-mock-lengths",
+        "megatron_dcp/tools/cli/bench_train.py",
+        'DATA_SOURCES = ("--sft-data", "--varlen-lengths-file", "--data-path")',
+        'DATA_SOURCES = ("--sft-data", "--varlen-lengths-file")',
+        ("tests/unit/tools/test_bench_train.py",),
+        "bench-train keeps its mock lengths beside --data-path: training refuses two sources",
+    ),
+    Mutant(
+        "flags-equals-form-unseen",
+        "megatron_dcp/tools/cli/args.py",
+        '    return {item.split("=", 1)[0] for item in argv if item.startswith("--")}',
+        '    return {item for item in argv if item.startswith("--")}',
+        ("tests/unit/tools/test_bench_train.py",),
+        "--train-iters=5 is not seen as --train-iters: the refusal is bypassed and the user's "
+        "value silently wins",
+    ),
+    Mutant(
         "profile-backward-to-engine",
         "megatron_dcp/tools/bench_train/profiling.py",
         '        return forward_region.get(node.sequence_nr, BACKWARD_ENGINE) + "/backward"',

@@ -182,10 +182,18 @@ def latency_heavy(shape: Optional[ModelShape] = None) -> CostModel:
     return replace(base, comm=0.03 * base.linear, ring_step=64.0 * base.linear, name="latency")
 
 
+def cpu_backend(shape: Optional[ModelShape] = None) -> CostModel:
+    """The model-shape coefficients on the CPU backend's profile (``cpu-gloo``): the world where
+    each sequence of a pack has its fixed cost (``sequence``) and score blocks spill."""
+    base = CostModel.from_model_shape(shape, hardware_profile("cpu-gloo"))
+    return replace(base, name="cpu")
+
+
 COST_MODELS = {
     "model": lambda: replace(CostModel.from_model_shape(), name="model"),
     "attention": CostModel.attention_only,
     "latency": latency_heavy,
+    "cpu": cpu_backend,
 }
 
 

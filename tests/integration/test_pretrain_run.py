@@ -3,6 +3,7 @@ indexed dataset, one per sample, through 2 CPU ranks (CP2) for a few iterations 
 and with sequence parallelism and the distributed optimizer (tp2·cp2, 4 CPU ranks). Each run
 trained the model its flags ask for (megatron's parameter count against ``testing.model_size``)."""
 
+import json
 import re
 from pathlib import Path
 
@@ -117,3 +118,23 @@ def test_sequence_parallel_and_distributed_optimizer_on_cpu(tmp_path):
     for setting in ("sequence_parallel", "use_distributed_optimizer"):
         assert re.search(rf"  {setting} \.+ True", log.output), setting
     assert "Using reduce-scatter for gradient reductions" in log.output
+
+
+def test_bench_train_runs_on_an_indexed_dataset(tmp_path):
+    """``bench-train --data-path``: the user's indexed documents replace the mock lengths (no
+    "at most one data source" refusal), and every arm of a batch reads the same documents."""
+    from megatron_dcp.tools.cli.bench_train import bench_train
+
+    flags = [
+        "--nproc", "2", "--arms", "static,dcp", "--batches", "2", "--warmup", "1",
+        "--out", str(tmp_path / "bench"), "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", "512",
+        "--max-position-embeddings", "512", "--max-seqlen-per-dp-cp-rank", "256",
+        "--global-batch-size", "8", "--data-path", write_documents(tmp_path / "corpus", 64),
+        "--split", "100,0,0",
+    ]  # fmt: skip
+    assert bench_train(flags) == 0
+    flags = json.loads((tmp_path / "bench" / "bench_train.json").read_text())["flags"]
+    assert "--data-path" in flags and "--varlen-distribution" not in flags
+    log = (tmp_path / "bench" / "train.log").read_text()
+    assert len(re.findall(r"\[DCP\] iteration", log)) == 4  # 2 batches × 2 arms

@@ -5,7 +5,7 @@ subcommand that takes the whole rest of the command line (``calibrate``, ``bench
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Sequence, Set, Tuple
 
 from megatron_dcp.scheduling.domain import budget_multiple
 from megatron_dcp.scheduling.errors import SchedulingError
@@ -100,6 +100,12 @@ def add_cost_profile_arg(parser: argparse.ArgumentParser) -> None:
         help="plan with this cost profile (written by `megatron-dcp calibrate`) instead of "
         "--cost-model",
     )
+
+
+def given_flags(argv: Sequence[str]) -> Set[str]:
+    """The flag names of a pass-through command line, ``--flag value`` and ``--flag=value``
+    alike: what a command that sets some flags itself refuses or leaves alone."""
+    return {item.split("=", 1)[0] for item in argv if item.startswith("--")}
 
 
 def add_pass_through(sub: Any, name: str, summary: str, run: Callable[[Any], int]) -> None:

@@ -34,7 +34,7 @@ from megatron_dcp.tools.bench_train.worker import (
     TIMES_FILE,
     BenchSpec,
 )
-from megatron_dcp.tools.cli.args import add_pass_through, positive_int
+from megatron_dcp.tools.cli.args import add_pass_through, given_flags, positive_int
 from megatron_dcp.tools.launcher import TrainingRunError, available_cores, check_rank_per_core
 from megatron_dcp.tools.link.launch import LinkSpec
 
@@ -66,6 +66,8 @@ DEFAULTS: Dict[str, object] = {
 # steps, not in a background thread; samples read in the rank's process, not by data-loader
 # worker processes (whose samples cross to the rank one shared-memory handle per tensor).
 CPU_DEFAULTS: Dict[str, object] = {"--dcp-prefetch": "off", "--num-workers": 0}
+# The data sources of the training entry point besides the default mock lengths.
+DATA_SOURCES = ("--sft-data", "--varlen-lengths-file", "--data-path")
 # Set by the command whatever the user passes: the run is a benchmark of these arms.
 FORCED_FLAGS = ("--dynamic-context-parallel", "--log-interval", "--train-iters")
 # With --link-rate, bench-train passes the probed link bandwidth unless one of these is given.
@@ -194,7 +196,7 @@ def link_spec(options: argparse.Namespace, extra: Sequence[str]) -> Optional[Lin
         )
     rate = parse_link_rate(options.link_rate)
     check_link_support(options.link_rate, rate, nodes)
-    prior = not {flag.split("=")[0] for flag in extra}.intersection(LINK_PRIOR_FLAGS)
+    prior = not given_flags(extra).intersection(LINK_PRIOR_FLAGS)
     return LinkSpec(options.link_rate, rate, nodes, options.nproc, options.out, prior)
 
 
@@ -203,15 +205,15 @@ def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[st
     flags the benchmark needs."""
     from megatron_dcp.tools.launcher import flag_list
 
-    given = {flag for flag in extra if flag.startswith("--")}
+    given = given_flags(extra)
     forced = sorted(given.intersection(FORCED_FLAGS))
     if forced:
         raise ValueError(f"{', '.join(forced)}: bench-train sets these itself; leave them out.")
     defaults = {flag: value for flag, value in DEFAULTS.items() if flag not in given}
     if "--context-parallel-size" not in given:
         defaults["--context-parallel-size"] = nproc
-    if "--varlen-distribution" in defaults and {"--sft-data", "--varlen-lengths-file"} & given:
-        del defaults["--varlen-distribution"]
+    if "--varlen-distribution" in defaults and given.intersection(DATA_SOURCES):
+        del defaults["--varlen-distribution"]  # the user's data replaces the mock lengths
     if not cuda_ranks():  # no idle core for background work: see cuda_ranks
         defaults.update({f: v for f, v in CPU_DEFAULTS.items() if f not in given})
     bench = {"--dynamic-context-parallel": True, "--log-interval": 1, "--train-iters": iterations}

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_dcp.tools.cli.args import add_pass_through, positive_int
+from megatron_dcp.tools.cli.args import add_pass_through, given_flags, positive_int
 
 PROG = "megatron-dcp check"
 DEFAULTS: Dict[str, object] = {
@@ -77,7 +77,7 @@ def training_flags(extra: Sequence[str], on_gpu: bool) -> List[str]:
     """:data:`DEFAULTS` under the user's model flags, with what the check sets itself."""
     from megatron_dcp.tools.launcher import flag_list
 
-    given = {flag.split("=")[0] for flag in extra if flag.startswith("--")}
+    given = given_flags(extra)
     refused = sorted(given.intersection(CHECK_SETS))
     if refused:
         why = "; ".join(f"{flag}: {CHECK_SETS[flag]}" for flag in refused)

@@ -65,6 +65,13 @@ def domain_spec(args: argparse.Namespace, workload: Workload) -> DomainSpec:
 def simulate_lengths(args: argparse.Namespace, spec: DomainSpec, workload: Workload) -> List[int]:
     """From --lengths, or sampled from --distribution (default: the chosen workload's)."""
     if args.lengths:
+        for flag, value in (("--num-sequences", args.num_sequences),
+                            ("--tokens-per-global-batch", args.tokens_per_global_batch)):  # fmt: skip
+            if value:
+                raise ValueError(
+                    f"{flag}={value}: the lengths file {args.lengths} is the whole global batch; "
+                    f"leave {flag} out, or cut the file to the sequences you want."
+                )
         return read_lengths(args.lengths)
     dist = parse_distribution(args.distribution or workload.distribution)
     if args.num_sequences:
@@ -216,7 +223,8 @@ def add_simulate(sub: Any) -> None:
         choices=sorted(COST_MODELS),
         default="model",
         help="model: a Llama-3-8B-like model on H100 (seconds); latency: the same with an "
-        "expensive ring; attention: L²/c",
+        "expensive ring; cpu: the same on the CPU backend (a fixed cost per sequence, score "
+        "spill); attention: L²/c",
     )
     add_cost_profile_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -128,3 +128,10 @@ def test_the_lower_bound_holds_when_tiny_sequences_cost_more_than_their_tokens()
     )  # fmt: skip
     plan = scheduler.schedule([65, 3, 0, 0, 2, 2, 0, 2])
     assert lower_bound(plan, cost) <= critical_path(plan, cost) * (1 + 1e-12)
+
+
+def test_the_simulator_has_a_world_with_the_term():
+    """``--cost-model cpu`` (simulate, benchmark): the reference model on the CPU profile."""
+    cpu, gpu = build_cost_model("cpu"), build_cost_model("model")
+    assert cpu.name == "cpu" and cpu.sequence > 0 and gpu.sequence == 0
+    assert cpu.sequence == pytest.approx(2 * 32 * 0.49e-3)  # 32 attention layers, fwd + bwd

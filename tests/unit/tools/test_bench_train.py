@@ -120,6 +120,15 @@ def test_training_flags_take_the_users_over_the_defaults_and_refuse_forced_ones(
     assert flags[flags.index("--train-iters") + 1] == "9"
     with pytest.raises(ValueError, match="--train-iters: bench-train sets"):
         training_flags(["--train-iters", "5"], nproc=2, iterations=9)
+    with pytest.raises(ValueError, match="--train-iters: bench-train sets"):
+        training_flags(["--train-iters=5"], nproc=2, iterations=9)  # the = form alike
+
+
+@pytest.mark.parametrize("source", ["--sft-data", "--varlen-lengths-file", "--data-path"])
+def test_the_users_data_replaces_the_mock_lengths(source):
+    for given in ([source, "x"], [f"{source}=x"]):
+        flags = training_flags(given, nproc=2, iterations=3)
+        assert "--varlen-distribution" not in flags, given
 
 
 def test_on_cpu_the_preparation_runs_between_the_steps_unless_the_user_says_otherwise(monkeypatch):

@@ -83,6 +83,14 @@ def test_simulate_fails_when_no_scheduler_can_plan(tmp_path, capsys):
     assert code == 2 and out.count("n/a") == 3
 
 
+@pytest.mark.parametrize("flag", ["--num-sequences", "--tokens-per-global-batch"])
+def test_a_lengths_file_refuses_a_batch_size_it_would_ignore(tmp_path, capsys, flag):
+    path = tmp_path / "lengths.txt"
+    path.write_text("100\n200\n")
+    code, _, err = run(capsys, ["simulate", "--lengths", str(path), flag, "5", "--no-peer"])
+    assert code == 2 and f"{flag}=5: the lengths file" in err and "leave" in err
+
+
 def test_bad_distribution_names_the_flag(capsys):
     code, _, err = run(capsys, ["simulate", "--distribution", "normal:mean=3", "--no-peer"])
     assert code == 2 and "--distribution='normal:mean=3'" in err
