@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Mutation check: would a wrong line be caught by the test suite?
 
-A curated list of single-line mutations (``MUTANTS`` in ``scripts/mutation_list.py``): realistic
+A curated list of single-line mutations (``MUTANTS`` in ``scripts/mutation_list.py``, with ``mutation_list_tools.py``): realistic
 one-line mistakes (off-by-one, wrong group, dropped term, swapped operands, a guard disabled) in
 the runtime, the number-changing entries of the patch table, the loss and token-count
 normalisation and the plan validation. Each names its file, the exact original snippet (it must
@@ -92,7 +92,7 @@ def mutated_text(mutant: Mutant, root: Path = REPO) -> tuple[bytes, bytes]:
     if count != 1:
         raise MutationListError(
             f"{mutant.id}: the original snippet occurs {count} times in {mutant.path} (must be "
-            f"exactly once; update the list in scripts/mutation_list.py): {mutant.original!r}"
+            f"exactly once; update the entry in scripts/mutation_list*.py): {mutant.original!r}"
         )
     if mutant.original == mutant.replacement:
         raise MutationListError(f"{mutant.id}: the replacement changes nothing")

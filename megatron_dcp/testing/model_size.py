@@ -27,7 +27,7 @@ NEUTRAL = frozenset(
     --moe-token-dispatcher-type --moe-router-load-balancing-type --moe-aux-loss-coeff
     --expert-model-parallel-size --calculate-per-token-loss --use-rope-scaling
     --rope-scaling-factor --use-rotary-position-embeddings --no-bias-gelu-fusion --rope-type
-    --rotary-scaling-factor --mscale --mscale-all-dim""".split()
+    --rotary-scaling-factor --mscale --mscale-all-dim --num-workers""".split()
 )
 NEUTRAL_PREFIXES = ("--dcp-", "--sft-", "--varlen-")
 MODELLED = frozenset(

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -148,29 +149,60 @@ def run_pretrain(
     port: Optional[int] = None,
     entry: str = "pretrain_gpt",
     launch: NodeLaunch = NodeLaunch(),
+    on_line: Optional[Callable[[str], None]] = None,
 ) -> RunLog:
     """Run ``torchrun --standalone --nproc-per-node nproc -m megatron_dcp.<entry> args``
-    (under ``launch``)."""
+    (under ``launch``); ``on_line`` sees every line of its output as it comes (progress)."""
     command = [*launch.prefix, sys.executable, "-m", "torch.distributed.run"]
     command += [f"--nproc-per-node={nproc}", *launch.torchrun_flags]
     command += ["--standalone"] if port is None else ["--master-port", str(port)]
     command += ["-m", f"megatron_dcp.{entry}", *args]
-    done = subprocess.run(
+    process = subprocess.Popen(
         command,
         env={**worker_env(), **launch.env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=timeout_s,
-        check=False,
         preexec_fn=launch.preexec_fn,
     )
+    returncode, output = streamed(process, timeout_s, on_line)
     if log_path is not None:
-        log_path.write_text(done.stdout)
-    if done.returncode != 0:
-        what = f"training exited with {done.returncode}"
-        raise TrainingRunError(failure_message(what, done.stdout, log_path))
-    return parse_log(done.stdout)
+        log_path.write_text(output)
+    if returncode != 0:
+        what = f"training exited with {returncode}"
+        raise TrainingRunError(failure_message(what, output, log_path))
+    return parse_log(output)
+
+
+def streamed(
+    process: subprocess.Popen, timeout_s: float, on_line: Optional[Callable[[str], None]]
+) -> Tuple[int, str]:
+    """``process``'s exit code and whole output, read line by line by a thread (each line to
+    ``on_line`` too); past ``timeout_s`` it is killed and ``subprocess.TimeoutExpired`` raised
+    with the output so far, as ``subprocess.run`` does."""
+    lines: List[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+
+    reader = threading.Thread(target=read, name="run-output", daemon=True)
+    reader.start()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        reader.join(timeout=5)
+        raise subprocess.TimeoutExpired(process.args, timeout_s, output="".join(lines)) from None
+    except BaseException:  # an interrupt: no run is left behind
+        process.kill()
+        process.wait()
+        raise
+    reader.join()
+    return process.returncode, "".join(lines)
 
 
 def available_cores() -> int:

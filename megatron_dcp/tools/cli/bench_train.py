@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.arms import DEFAULT_ARMS, arm_at, parse_arms, runnable
 from megatron_dcp.tools.bench_train.results import BenchResult, collect
@@ -66,6 +67,7 @@ DEFAULTS: Dict[str, object] = {
 # steps, not in a background thread; samples read in the rank's process, not by data-loader
 # worker processes (whose samples cross to the rank one shared-memory handle per tensor).
 CPU_DEFAULTS: Dict[str, object] = {"--dcp-prefetch": "off", "--num-workers": 0}
+DCP_ITERATION = re.compile(r"\[DCP\] iteration\s+(\d+)")  # a training iteration's log line
 # The data sources of the training entry point besides the default mock lengths.
 DATA_SOURCES = ("--sft-data", "--varlen-lengths-file", "--data-path")
 # Set by the command whatever the user passes: the run is a benchmark of these arms.
@@ -220,6 +222,23 @@ def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[st
     return [*flag_list({**defaults, **bench}), *extra]
 
 
+def iteration_progress(iterations: int, arms: Sequence[str]) -> Callable[[str], None]:
+    """A reader of the training output that reports each finished iteration (its ``[DCP]``
+    line): the batch and the arm it ran, the elapsed time and an estimate of what is left."""
+    from megatron_dcp.tools.progress import Progress
+
+    progress = Progress("bench-train", iterations, "iterations")
+
+    def read(line: str) -> None:
+        match = DCP_ITERATION.search(line)
+        if match:
+            iteration = int(match.group(1))
+            batch, arm = arm_at(iteration, arms)
+            progress.update(iteration, f"batch {batch + 1}/{iterations // len(arms)}, arm {arm}")
+
+    return read
+
+
 def cuda_ranks() -> bool:
     """Whether the ranks will compute on GPUs. Where they compute on the CPU, bench-train
     adds :data:`CPU_DEFAULTS` unless the user gives those flags: with one rank per core no
@@ -267,12 +286,14 @@ def run_bench(
     start, figures = time.perf_counter(), None
     os.environ[SPEC_VARIABLE] = spec.to_env()
     try:
+        progress = iteration_progress(iterations, arms)
         if link is None:
             log = run_pretrain(
-                flags, args.nproc, args.out / "train.log", timeout_s=timeout_s, entry=worker
-            )
+                flags, args.nproc, args.out / "train.log", timeout_s=timeout_s, entry=worker,
+                on_line=progress,
+            )  # fmt: skip
         else:
-            log, figures = run_linked(flags, link, worker, timeout_s=timeout_s)
+            log, figures = run_linked(flags, link, worker, timeout_s=timeout_s, on_line=progress)
     finally:
         del os.environ[SPEC_VARIABLE]
     print(f"bench-train: done in {time.perf_counter() - start:.0f} s", flush=True)

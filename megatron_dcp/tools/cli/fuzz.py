@@ -28,7 +28,16 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     except ImportError as error:
         print(f"megatron-dcp fuzz: the fuzzer is not available ({error}).", file=sys.stderr)
         return 2
-    result = run_fuzz(cases=args.cases, seed=args.seed)
+    from megatron_dcp.tools.progress import Progress
+
+    progress = Progress("fuzz", args.cases, "cases")
+    result = run_fuzz(
+        cases=args.cases,
+        seed=args.seed,
+        progress=lambda index, partial: progress.update(
+            partial.cases, f"{partial.violation_count} violations"
+        ),
+    )
     stored = list(result.violations)
     # FuzzResult keeps only the first few (shrunk) violations; violation_count has the total.
     count = getattr(result, "violation_count", len(stored))

@@ -103,16 +103,24 @@ def link_nodes(agents: List[subprocess.Popen]) -> None:
 
 
 def run_linked(
-    flags: List[str], spec: LinkSpec, entry: str, timeout_s: float
+    flags: List[str],
+    spec: LinkSpec,
+    entry: str,
+    timeout_s: float,
+    on_line: Optional[Callable[[str], None]] = None,
 ) -> Tuple[RunLog, Dict[str, object]]:
-    """Train under the shaped link; what it logged, and the link's figures (:func:`figures`)."""
+    """Train under the shaped link; what it logged, and the link's figures (:func:`figures`).
+    ``on_line`` sees each line of a one-node run's output as it comes (progress)."""
     for node in (None, *range(spec.nodes)):
         spec.report(node).unlink(missing_ok=True)
     log_path = spec.out / "train.log"
     try:
         if spec.nodes == 1:
             launch = node_launch(spec, None)
-            log = run_pretrain(flags, spec.nproc, log_path, timeout_s, entry=entry, launch=launch)
+            log = run_pretrain(
+                flags, spec.nproc, log_path, timeout_s, entry=entry, launch=launch,
+                on_line=on_line,
+            )  # fmt: skip
             return log, figures(spec)
         launches = [node_launch(spec, node) for node in range(spec.nodes)]
         agents = Agents(node_address(0), entry, launches)

@@ -211,7 +211,13 @@ def test_benchmark_and_simulate_take_a_cost_profile(tmp_path, capsys):
 
 def fake_fuzz(monkeypatch, violations):
     module = types.ModuleType("megatron_dcp.tools.plan_fuzzer")
-    module.run_fuzz = lambda cases, seed: types.SimpleNamespace(cases=cases, violations=violations)
+    def run_fuzz(cases, seed, progress):
+        partial = types.SimpleNamespace(cases=cases, violations=violations)
+        partial.violation_count = len(violations)
+        progress(cases - 1, partial)
+        return partial
+
+    module.run_fuzz = run_fuzz
     monkeypatch.setitem(sys.modules, "megatron_dcp.tools.plan_fuzzer", module)
 
 
