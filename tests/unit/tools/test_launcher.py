@@ -2,7 +2,9 @@
 that holds all of it (``tools.launcher``), as the quick-start shows it; the quick-start refuses
 ``--iters 0`` up front and says why its runs have dropout 0."""
 
+import io
 import subprocess
+import sys
 
 import pytest
 
@@ -50,9 +52,38 @@ def test_last_error_line(text, line):
     assert launcher.last_error_line(text) == line
 
 
+class FakeRun:
+    """A finished torchrun: its output, read line by line, and its exit code."""
+
+    def __init__(self, output: str, returncode: int) -> None:
+        self.stdout, self.returncode, self.args = io.StringIO(output), returncode, ["torchrun"]
+
+    def wait(self, timeout=None) -> int:
+        return self.returncode
+
+    def kill(self) -> None:
+        pass
+
+
 def fake_torchrun(monkeypatch, output: str, returncode: int = 1):
-    done = subprocess.CompletedProcess([], returncode, stdout=output)
-    monkeypatch.setattr(launcher.subprocess, "run", lambda *args, **kwargs: done)
+    monkeypatch.setattr(
+        launcher.subprocess, "Popen", lambda *args, **kwargs: FakeRun(output, returncode)
+    )
+
+
+def test_output_is_read_as_it_comes_and_a_run_past_its_time_is_killed():
+    """``streamed``: every line reaches ``on_line`` and the output; a run past ``timeout_s`` is
+    killed and ``TimeoutExpired`` carries what it printed (nothing is left running)."""
+    seen = []
+    code = "import sys, time; print('one', flush=True); print('two', flush=True)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert launcher.streamed(process, 60, seen.append) == (0, "one\ntwo\n")
+    assert seen == ["one\n", "two\n"]
+    code = "import time; print('started', flush=True); time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    with pytest.raises(subprocess.TimeoutExpired) as timeout:
+        launcher.streamed(process, 2, None)
+    assert timeout.value.output == "started\n" and process.poll() is not None
 
 
 def test_a_failed_run_names_its_log_and_its_cause(monkeypatch, tmp_path):
