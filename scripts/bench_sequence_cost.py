@@ -7,7 +7,8 @@ fixed (global batch = TOKENS / L sequences), so that only the number of sequence
 changes, and with it the quadratic attention work (Σ L² = tokens × L). Each run is a
 ``megatron-dcp bench-train`` of the arms static and dcp with ``--dcp-prefetch off`` (the batch's
 preparation between steps, outside the timed steps; bench-train's default on CPU, given here for
-any machine); the dcp arm puts every sequence on one rank (L ≤ the budget). For each L the script reads:
+any machine); the dcp arm puts every sequence on one rank (L ≤ the budget). For each L the
+script reads:
 
 - the dcp arm's busy forward-backward seconds per rank and step (``times.jsonl``) of the
   batches that were not profiled, with the plan's features (``plans.jsonl``);
@@ -74,14 +75,14 @@ def busy_points(folder: Path, profiled: Sequence[int]) -> List[Tuple[float, floa
     return points
 
 
-def region_points(folder: Path) -> Dict[str, List[Tuple[float, float, float]]]:
-    """region → [(0, sequences, seconds)]: the dcp arm's busiest rank, per profiled batch on
-    average (the caller fills in Σ L²)."""
+def region_points(folder: Path, length: int) -> Dict[str, Tuple[float, float, float]]:
+    """region → (Σ L², sequences, seconds) of the dcp arm's busiest rank, per profiled batch on
+    average (every sequence of the run has length ``length``)."""
     from megatron_dcp.tools.bench_train.profile_report import busiest
 
     rank = busiest(folder)["dcp"]
-    sequences = rank.per_batch("sequences")
-    return {region: [(0.0, sequences, rank.ms(region) / 1e3)] for region in rank.regions}
+    square, sequences = rank.per_batch("tokens") * length, rank.per_batch("sequences")
+    return {region: (square, sequences, rank.ms(region) / 1e3) for region in rank.regions}
 
 
 def fit(points: List[Tuple[float, float, float]]) -> Tuple[float, float, float]:
@@ -107,15 +108,13 @@ def main(argv: Sequence[str]) -> int:
         folder = run(length, options.tokens, options.out, options.python)
         points = busy_points(folder, profiled=(1, 2))
         busy += points
-        per_region = region_points(folder)
-        for region, values in per_region.items():
-            regions.setdefault(region, []).extend(
-                (length * options.tokens / 2, n, s) for _, n, s in values
-            )
+        per_region = region_points(folder, length)
+        for region, point in per_region.items():
+            regions.setdefault(region, []).append(point)
         rows.append((length, statistics.median(n for _, n, _ in points),
                      1e3 * statistics.median(s for _, _, s in points),
-                     1e3 * per_region.get("RoPE", [(0, 0, 0)])[0][2],
-                     1e3 * per_region.get("core attention", [(0, 0, 0)])[0][2]))  # fmt: skip
+                     1e3 * per_region.get("RoPE", (0, 0, 0))[2],
+                     1e3 * per_region.get("core attention", (0, 0, 0))[2]))  # fmt: skip
     print("\n| L | sequences per rank-step | busy ms (median) | RoPE ms | core attention ms |")
     print("|---:|---:|---:|---:|---:|")
     for row in rows:

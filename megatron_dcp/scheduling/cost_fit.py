@@ -176,8 +176,8 @@ def predict(theta: Sequence[float], features: Sequence[float]) -> float:
 
 def fit(rows: Sequence[Sequence[float]], times: Sequence[float]) -> Vector:
     """Non-negative least squares of relative errors: ``θ ≥ 0`` minimising
-    Σ ((x·θ − t) / t)². Exact for every subset of unknowns: every set of free coefficients is solved and the
-    best feasible solution kept (the others stay 0)."""
+    Σ ((x·θ − t) / t)². Exact: every set of free coefficients is solved and the best feasible
+    solution kept (the others stay 0)."""
     if len(rows) != len(times) or not rows:
         raise ValueError("fit needs as many feature rows as times, at least one")
     if min(times) <= 0:
@@ -334,10 +334,10 @@ def _scales(prior: CostModel) -> Vector:
     unit = prior.linear or prior.quadratic
     # A prior without a cache size has no spill to refine (its spill feature is always 0).
     spill = 0.0 if math.isinf(prior.spill_elements) else unit / 1024
-    fallbacks = [unit, unit / 1024, unit / 1024, 0.01 * unit, 16 * unit, 16 * unit, spill]
     # Nor does one whose kernels take a whole pack at once (sequence 0: the GPU profiles); a
     # calibrated profile (`calibrate` times packs of 1, 2 and 4 sequences) has its own.
-    fallbacks.append(0.0)
+    sequence = 0.0
+    fallbacks = [unit, unit / 1024, unit / 1024, 0.01 * unit, 16 * unit, 16 * unit, spill, sequence]
     return [t if t > 0 else f for t, f in zip(theta, fallbacks)]
 
 

@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron_dcp.integration.patches.table import swapped_attribute
+
 PREFIX = "dcp::"
 FORWARD_STEP, BACKWARD_STEP = "forward step", "backward step"
 # Preparation of the global batch (DCPForwardBackward): reading, planning, routing, packing.
@@ -74,16 +76,6 @@ def ranged(function: Callable, region: str) -> Callable:
     return call
 
 
-@contextmanager
-def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def module_region(name: str) -> Optional[str]:
     """The region of a model submodule by its qualified name (None: not one of the regions)."""
     leaf = name.rsplit(".", 1)[-1]
@@ -119,10 +111,11 @@ def marked_regions(models: List[torch.nn.Module]) -> Iterator[None]:
         for module_name, attribute, region in FUNCTION_REGIONS:
             owner = importlib.import_module(module_name)
             wrapped = ranged(getattr(owner, attribute), region)
-            stack.enter_context(patched(owner, attribute, wrapped))
+            stack.enter_context(swapped_attribute(owner, attribute, wrapped))
         for module_name, class_name, method, region in METHOD_REGIONS:
             owner = getattr(importlib.import_module(module_name), class_name)
-            stack.enter_context(patched(owner, method, ranged(getattr(owner, method), region)))
+            wrapped = ranged(getattr(owner, method), region)
+            stack.enter_context(swapped_attribute(owner, method, wrapped))
         hook_modules(stack, models)
         yield
 
