@@ -57,11 +57,27 @@ def token_mean_loss(
     """This rank's contribution to the mini-batch token-mean loss from one micro-batch:
     ``Σ loss_mask·ℓ × scale``; call ``backward()`` on it (or on the sum over micro-batches).
     ``per_token_loss`` is ``[1, T_local]`` (the model's per-token loss on ``microbatch``)."""
-    mask = microbatch.packed.loss_mask
+    return masked_mean_loss(
+        per_token_loss, microbatch.packed.loss_mask, split.num_tokens, split, grad_reduce
+    )
+
+
+def masked_mean_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    count: int,
+    split: SplitBatch,
+    grad_reduce: GradReduce = "sum",
+) -> torch.Tensor:
+    """This rank's contribution to ``(1/count) Σ mask·ℓ`` over the whole mini-batch, for a mask
+    of its own: ``mask`` is this rank's share of it (``shard_per_token``, ``[1, T_local]``) and
+    ``count`` the mini-batch's weight in full (e.g. its response tokens, or its samples for a
+    score read at one token per sample). Every token of the micro-batch stays in the graph, so
+    a rank whose mask is all zeros still runs its CP group's backward collectives."""
     if per_token_loss.shape != mask.shape:
         raise ValueError(
             f"per_token_loss has shape {tuple(per_token_loss.shape)}; expected {tuple(mask.shape)}"
-            f" (the local tokens of micro-batch {microbatch.index})"
+            " (the micro-batch's local tokens, [1, T_local])"
         )
-    scale = split_loss_scale(split, grad_reduce)
+    scale = token_mean_scale(count, split.plan.domain.size, grad_reduce)
     return (per_token_loss.float() * mask.to(per_token_loss.device)).sum() * scale

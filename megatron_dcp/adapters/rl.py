@@ -16,13 +16,25 @@ model's shape on the backend's hardware profile unless a cost model (e.g. a cali
 ``DCPConfig.for_model(..., cost_model=...)``.
 """
 
+from megatron_dcp.adapters.distill import full_vocab_logits, kl_per_token, teacher_top_k
+from megatron_dcp.adapters.heads import SCALAR_HEAD_WIDTH, ScalarHead, attach_scalar_head
 from megatron_dcp.adapters.loss import (
     GradReduce,
+    masked_mean_loss,
     split_loss_scale,
     token_mean_loss,
     token_mean_scale,
 )
 from megatron_dcp.adapters.merge import GroupPacking, group_packing, merge_outputs, reassemble
+from megatron_dcp.adapters.scores import (
+    bradley_terry_loss,
+    gather_scores,
+    last_token_marks,
+    last_token_mask,
+    local_scores,
+    score_loss_backward,
+    score_surrogate,
+)
 from megatron_dcp.adapters.split import (
     DCPConfig,
     RankMicroBatch,
@@ -32,21 +44,39 @@ from megatron_dcp.adapters.split import (
     shard_per_token,
     split_batch,
 )
+from megatron_dcp.adapters.value import clipped_value_loss, to_state_positions, values_of_tokens
 
 __all__ = [
     "DCPConfig",
     "GradReduce",
     "GroupPacking",
     "RankMicroBatch",
+    "SCALAR_HEAD_WIDTH",
+    "ScalarHead",
     "SplitBatch",
+    "attach_scalar_head",
+    "bradley_terry_loss",
+    "clipped_value_loss",
+    "full_vocab_logits",
+    "gather_scores",
     "global_num_tokens",
     "group_packing",
+    "kl_per_token",
+    "last_token_marks",
+    "last_token_mask",
+    "local_scores",
+    "masked_mean_loss",
     "merge_outputs",
     "plan_batch",
     "reassemble",
+    "score_loss_backward",
+    "score_surrogate",
     "shard_per_token",
     "split_batch",
     "split_loss_scale",
+    "teacher_top_k",
+    "to_state_positions",
     "token_mean_loss",
     "token_mean_scale",
+    "values_of_tokens",
 ]

@@ -1,0 +1,122 @@
+"""Figures that several documents state agree with one source, docs/numbers.json.
+
+Each entry of :data:`STATEMENTS` is a file, a pattern whose group is the figure as that file
+states it (matched with the file's white space collapsed to single spaces), and the key of
+docs/numbers.json it must equal. The source's default GPU profile must
+be the code's (``DEFAULT_GPU_PROFILE``, read from the source, nothing imported), and every line
+of the docs that says which profile is the GPU default must name it. A file that no longer holds
+a statement fails too (the statement moved: point the pattern at its new place).
+"""
+
+import json
+import re
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCE = REPO / "docs" / "numbers.json"
+HARDWARE = REPO / "megatron_dcp" / "scheduling" / "hardware.py"
+DOCS = sorted(f"docs/{path.name}" for path in (REPO / "docs").glob("*.md"))
+DOCUMENTS = ("README.md", "tests/README.md", *DOCS)
+SWEEP = "bench_links.sh sweep, 2026-11-28, unshaped"
+BENCH = "bench_performance.sh, 2026-11-25"
+EARLIER = "bench_performance.sh, 2026-11-25, earlier run"
+# (file, pattern with one group: the figure, key path in docs/numbers.json)
+SPEEDUP = "documents_speedup_2_ranks"
+PROFILE = ("default_gpu_profile",)
+PERF = "docs/performance.md"
+STATEMENTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
+    ("README.md", r"tests took (\S+) min on a 2-core Intel Xeon", ("suite_minutes", "Intel Xeon")),
+    ("README.md", r"and (\S+) min on a 2-core AMD EPYC", ("suite_minutes", "AMD EPYC")),
+    ("tests/README.md", r"≈ (\d+) min \(Intel Xeon\)", ("functional_minutes", "Intel Xeon")),
+    ("tests/README.md", r"≈ (\d+) min \(AMD EPYC\)", ("functional_minutes", "AMD EPYC")),
+    ("tests/README.md", r"so functional ≈ (\d+) min\)", ("functional_minutes", "Intel Xeon")),
+    ("tests/README.md", r"so functional ≈ (\d+) min there", ("functional_minutes", "AMD EPYC")),
+    ("docs/usage.md", r"`cpu-gloo` on the CPU backend, `([\w-]+)` otherwise", PROFILE),
+    ("docs/cost_model.md", r"\*\*`([\w-]+)`, the GPU default for training", PROFILE),
+    ("docs/cost_model.md", r"`([\w-]+)` \(GPU default\)", PROFILE),
+    ("docs/performance.md", r"the GPU default, `([\w-]+)`", PROFILE),
+    ("docs/gpu.md", r"default GPU profile is `([\w-]+)`", PROFILE),
+    (PERF, r"\| documents \| 2 \| dcp \| [^|]+\| \*\*(1\.\d+)\*\*", (SPEEDUP, BENCH)),
+    ("docs/performance.md", r"tie to a small win at 2 ranks: (1\.\d+)×", (SPEEDUP, BENCH)),
+    ("docs/performance.md", r"\| documents \| (1\.\d+) \[1\.003", (SPEEDUP, EARLIER)),
+    (PERF, r"(1\.\d+)× \[1\.003, 1\.051\] \(the same day's earlier", (SPEEDUP, EARLIER)),
+    (PERF, r"\| documents \| unshaped \| 1 \| 2 \|(?: [^|]+ \|){2} (1\.\d+) \[", (SPEEDUP, SWEEP)),
+    ("docs/performance.md", r"Over static CP: documents (1\.\d+)× \[0\.990", (SPEEDUP, SWEEP)),
+    (PERF, r"(1\.\d+)× \[0\.990, 1\.112\] \(the link-rate sweep", (SPEEDUP, SWEEP)),
+    ("docs/gpu.md", r"documents at 2 ranks: (1\.\d+)× \(2026-11-25\)", (SPEEDUP, BENCH)),
+    ("docs/gpu.md", r"(1\.\d+)× \(2026-11-28 sweep, unshaped\)", (SPEEDUP, SWEEP)),
+)
+GPU_DEFAULT_LINE = re.compile(r"GPU default|default GPU")
+
+
+def source() -> Dict:
+    return json.loads(SOURCE.read_text())
+
+
+def value(numbers: Dict, path: Sequence[str]) -> str:
+    for part in path:
+        numbers = numbers[part]
+    return str(numbers)
+
+
+def disagreements(texts: Dict[str, str], numbers: Dict) -> List[str]:
+    """Each statement of :data:`STATEMENTS` that ``texts`` (file -> text) lacks or states
+    otherwise than ``numbers``."""
+    wrong = []
+    for name, pattern, path in STATEMENTS:
+        found = re.findall(pattern, " ".join(texts[name].split()))
+        expected = value(numbers, path)
+        if not found:
+            wrong.append(f"{name}: no statement matches {pattern!r}")
+        wrong += [f"{name}: {pattern!r} states {got}, the source {expected}"
+                  for got in found if got != expected]
+    return wrong
+
+
+def texts() -> Dict[str, str]:
+    return {name: (REPO / name).read_text() for name in DOCUMENTS}
+
+
+def code_default_gpu_profile() -> str:
+    match = re.search(r'^DEFAULT_GPU_PROFILE = "([\w-]+)"', HARDWARE.read_text(), re.M)
+    assert match, "DEFAULT_GPU_PROFILE is no longer a string constant in scheduling/hardware.py"
+    return match.group(1)
+
+
+def test_the_source_profile_is_the_codes():
+    assert source()["default_gpu_profile"] == code_default_gpu_profile()
+
+
+def test_every_statement_states_the_sources_figure():
+    wrong = disagreements(texts(), source())
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_every_line_naming_the_gpu_default_names_the_sources_profile():
+    """A line that says "GPU default" names the profile on it or on a line beside it."""
+    profile = source()["default_gpu_profile"]
+    wrong = []
+    for name, text in texts().items():
+        lines = ["", *text.splitlines(), ""]
+        for number in range(1, len(lines) - 1):
+            near = " ".join(lines[number - 1 : number + 2])
+            if GPU_DEFAULT_LINE.search(lines[number]) and profile not in near:
+                wrong.append(f"{name}:{number}: {lines[number].strip()}")
+    assert wrong == [], "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "path, stale",
+    [(("suite_minutes", "AMD EPYC"), "20–25"), (("documents_speedup_2_ranks", SWEEP), "1.095")],
+)
+def test_a_changed_figure_is_seen(path, stale):
+    """The check can fail: the source with one figure changed disagrees with the docs."""
+    numbers = source()
+    inner = numbers
+    for part in path[:-1]:
+        inner = inner[part]
+    inner[path[-1]] = stale
+    assert any(stale in line for line in disagreements(texts(), numbers))
