@@ -25,6 +25,11 @@ DCP_ORACLE = "tests/integration/test_dcp_oracle.py"
 ORACLE_CP2 = f"{DCP_ORACLE}::test_dcp_step_equals_single_process[tp1pp1dp2cp2-default_dynamic_cp]"
 ORACLE_SFT = f"{DCP_ORACLE}::test_sft_masks_divide_by_the_assistant_tokens[tp1pp1dp2cp2]"
 RL_TESTS = ("tests/integration/test_rl_adapter.py",)
+RL_MODELS = "tests/integration/test_rl_models.py::"
+VALUE_TESTS = (RL_MODELS + "test_value_model_equals_single_process",)
+REWARD_TESTS = (RL_MODELS + "test_reward_model_pointwise_and_pairwise_equal_single_process",)
+DISTILL_TESTS = (RL_MODELS + "test_distillation_equals_single_process",)
+ADAPTERS = "megatron_dcp/adapters/"
 HYBRID_DCP = "tests/integration/test_dcp_hybrid.py::test_hybrid_step_equals_single_process"
 VALIDATE_TESTS = ("tests/unit/scheduling/test_plan_validate.py",)
 
@@ -451,7 +456,66 @@ VALIDATION_MUTANTS = (
     ),
 )
 
+RL_MODEL_MUTANTS = (
+    Mutant(
+        "value-targets-not-shifted",
+        ADAPTERS + "value.py",
+        "out[:-1] = value[1:]",
+        "out[:] = value",
+        VALUE_TESTS,
+        "missing shift: each critic output meets its own token's target, not the next token's",
+    ),
+    Mutant(
+        "value-merged-not-shifted",
+        ADAPTERS + "value.py",
+        "out[1:] = flat[:-1]",
+        "out[:] = flat",
+        VALUE_TESTS,
+        "missing right-shift: merged values are returned at their output positions",
+    ),
+    Mutant(
+        "scalar-head-no-sequence-gather",
+        ADAPTERS + "heads.py",
+        "        if self.sequence_parallel:",
+        "        if False:",
+        VALUE_TESTS,
+        "the head reads only this TP rank's sequence-parallel slice",
+    ),
+    Mutant(
+        "score-at-first-token",
+        ADAPTERS + "scores.py",
+        "mark[-1] = sample_id + 1",
+        "mark[0] = sample_id + 1",
+        REWARD_TESTS,
+        "wrong index: the score is read at the sample's first token, not its last",
+    ),
+    Mutant(
+        "scores-not-gathered",
+        ADAPTERS + "scores.py",
+        "    if groups.domain_size > 1:\n        device",
+        "    if groups.domain_size > 99:\n        device",
+        REWARD_TESTS,
+        "skipped collective: each rank sees only the scores it owns; pairs across groups break",
+    ),
+    Mutant(
+        "reverse-kl-teacher-weights",
+        ADAPTERS + "distill.py",
+        "return (student.exp() * (student - teacher)).sum(-1)",
+        "return (teacher.exp() * (student - teacher)).sum(-1)",
+        DISTILL_TESTS,
+        "wrong weight: reverse KL weighted by the teacher's probabilities",
+    ),
+    Mutant(
+        "distill-vocab-shard-only",
+        ADAPTERS + "distill.py",
+        "    if parallel_state.get_tensor_model_parallel_world_size() == 1:",
+        "    if True:",
+        DISTILL_TESTS,
+        "no TP gather: the KL is taken over this TP rank's vocabulary shard",
+    ),
+)
+
 MUTANTS = (
-    RUNTIME_MUTANTS + PATCH_MUTANTS + LOSS_MUTANTS + VALIDATION_MUTANTS + CHECK_MUTANTS
+    RUNTIME_MUTANTS + PATCH_MUTANTS + LOSS_MUTANTS + RL_MODEL_MUTANTS + VALIDATION_MUTANTS + CHECK_MUTANTS
     + COST_MUTANTS
 )  # fmt: skip
