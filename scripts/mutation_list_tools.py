@@ -82,9 +82,26 @@ CHECK_MUTANTS = (
     ),
 )
 
+ESTIMATE_TESTS = "tests/unit/tools/test_estimate.py::"
 SEQUENCE_TESTS = ("tests/unit/scheduling/test_sequence_cost.py",)
 PROFILING_TESTS = ("tests/integration/test_profiling.py",)
 COST_MUTANTS = (
+    Mutant(
+        "estimate-rest-left-out",
+        "megatron_dcp/tools/estimate/answer.py",
+        'pair = predicted_speedups(plans, ["static", "dcp"], 0, self.rest.seconds)',
+        'pair = predicted_speedups(plans, ["static", "dcp"], 0, 0.0)',
+        (ESTIMATE_TESTS + "test_a_long_step_rest_dilutes_the_gain_below_the_bar",),
+        "estimate's speedup over static CP without the step rest: a gain no step shows",
+    ),
+    Mutant(
+        "estimate-all-reduce-factor",
+        "megatron_dcp/tools/estimate/step_rest.py",
+        "all_reduce = 2 * (ranks - 1) / ranks * gradient_bytes / hardware.link_bandwidth",
+        "all_reduce = 2 * ranks / ranks * gradient_bytes / hardware.link_bandwidth",
+        (ESTIMATE_TESTS + "test_the_predicted_step_rest_is_the_all_reduce_and_the_optimizer",),
+        "the ring all-reduce's (R − 1)/R factor dropped from the predicted step rest",
+    ),
     Mutant(
         "cost-sequence-not-priced",
         "megatron_dcp/scheduling/cost.py",

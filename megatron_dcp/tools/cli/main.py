@@ -1,14 +1,14 @@
 """``megatron-dcp`` command line: simulate schedulers on a workload, run the reference benchmark,
 fuzz the plan invariants, calibrate the cost model on the real backend, write a generated
 SFT corpus, time real training steps of several planners side by side (``bench-train``), report
-a sweep of such runs over link rates (``link-sweep``), check a new machine (``check``).
-``main(argv)`` returns the exit code (0 ok, 1 fuzz violations or a failed calibration, 2 bad
-input).
+a sweep of such runs over link rates (``link-sweep``), check a new machine (``check``), predict
+whether DCP helps on the user's data (``estimate``). ``main(argv)`` returns the exit code (0 ok,
+1 fuzz violations or a failed calibration, 2 bad input).
 
 One module of this package per subcommand (``simulate``, ``benchmark``, ``fuzz``, ``calibrate``,
-``sft_corpus``, ``bench_train``, ``link_sweep``,
-``replay_refinement``, ``check``), each with its ``add_*`` parser function; ``args`` holds what
-they share (argument types, the wording of scheduling errors); this module assembles the parser.
+``sft_corpus``, ``bench_train``, ``link_sweep``, ``replay_refinement``, ``check``,
+``estimate``), each with its ``add_*`` parser function; ``args`` holds what they share (argument
+types, the wording of scheduling errors); this module assembles the parser.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megatron_dcp.tools.cli.bench_train import add_bench_train
 from megatron_dcp.tools.cli.benchmark import add_benchmark
 from megatron_dcp.tools.cli.calibrate import add_calibrate
 from megatron_dcp.tools.cli.check import add_check
+from megatron_dcp.tools.cli.estimate import add_estimate
 from megatron_dcp.tools.cli.fuzz import add_fuzz
 from megatron_dcp.tools.cli.link_sweep import add_link_sweep
 from megatron_dcp.tools.cli.replay_refinement import add_replay_refinement
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_link_sweep(sub)
     add_replay_refinement(sub)
     add_check(sub)
+    add_estimate(sub)
     return parser
 
 

@@ -1,0 +1,87 @@
+"""The part of a training step no plan changes (the *step rest*): what ``link-sweep`` adds to
+every arm's critical path before it compares them (``link_sweep.runs.predicted_speedups``).
+
+Measured, it is megatron's step time less the forward-backward
+(:func:`~megatron_dcp.tools.link_sweep.runs.step_remainder_s` of a ``bench-train`` run). Before
+any run it is predicted from the model and the hardware profile (docs/performance.md, "The missing
+term at low link rates"): the gradient all-reduce, 2 × (R − 1) / R × the gradient bytes over one
+rank's link, R the DP×CP ranks that reduce them; and the optimizer, one memory-bound pass of Adam
+over the parameters, their gradients and its two moments. Only weights that do matmul work are
+counted (from :class:`ModelShape`'s linear FLOPs: 2 per weight and token, three passes), so
+biases and norms are left out, and of a MoE layer only the experts a token runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megatron_dcp.scheduling.hardware import HardwareProfile
+from megatron_dcp.scheduling.model_shape import TRAIN_FACTOR, ModelShape
+from megatron_dcp.tools.link_sweep.runs import step_remainder_s
+
+# Adam's step reads the weight, its gradient and both moments and writes the weight and the
+# moments: 7 fp32 values per parameter.
+OPTIMIZER_BYTES_PER_PARAMETER = 7 * 4
+# Memory bandwidth one rank's optimizer streams at, by hardware profile (bytes/s): an H100 SXM's
+# HBM3 (3.35 TB/s, datasheet); on the CPU backend torch's Adam on one core of the project's 2-core
+# AMD EPYC, which moved 9–15 GB/s at 28 bytes per parameter (0.8 and 6.3 M parameters).
+MEMORY_BANDWIDTH = {"h100-nvlink": 3.35e12, "h100-eager": 3.35e12, "cpu-gloo": 10e9}
+
+
+@dataclass(frozen=True)
+class StepRest:
+    """Seconds of a step outside the forward-backward, and where the figure comes from."""
+
+    seconds: float
+    source: str  # "predicted", "measured" or "given"
+    all_reduce_s: float = 0.0
+    optimizer_s: float = 0.0
+    parameters: int = 0  # weights per model-parallel rank that the all-reduce carries
+
+    def describe(self) -> str:
+        if self.source != "predicted":
+            return f"step rest {self.seconds * 1e3:.1f} ms ({self.source})"
+        return (
+            f"step rest {self.seconds * 1e3:.1f} ms (predicted: gradient all-reduce "
+            f"{self.all_reduce_s * 1e3:.1f} ms of {self.parameters / 1e6:.2f} M parameters, "
+            f"optimizer {self.optimizer_s * 1e3:.1f} ms)"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def matmul_parameters(shape: ModelShape) -> int:
+    """Weights per tensor-parallel rank that do matmul work: a token's linear forward FLOPs over
+    2 (one multiply-accumulate per weight), the output head (tied to the embedding) included."""
+    return int(round(shape.linear_flops() / TRAIN_FACTOR / 2))
+
+
+def predicted_step_rest(
+    shape: ModelShape, hardware: HardwareProfile, ranks: int, pipeline_stages: int = 1
+) -> StepRest:
+    """The step rest of training ``shape`` on ``hardware`` with ``ranks`` DP×CP ranks reducing
+    each gradient and ``pipeline_stages`` stages sharing the layers out."""
+    parameters = matmul_parameters(shape) // max(1, pipeline_stages)
+    gradient_bytes = parameters * hardware.bytes_per_element
+    all_reduce = 2 * (ranks - 1) / ranks * gradient_bytes / hardware.link_bandwidth
+    bandwidth = MEMORY_BANDWIDTH.get(hardware.name, MEMORY_BANDWIDTH["h100-nvlink"])
+    optimizer = parameters * OPTIMIZER_BYTES_PER_PARAMETER / bandwidth
+    return StepRest(all_reduce + optimizer, "predicted", all_reduce, optimizer, parameters)
+
+
+def measured_step_rest(path: str) -> StepRest:
+    """The step rest a ``bench-train`` run measured (its ``bench_train.json``), as link-sweep
+    reads it."""
+    file = Path(path)
+    try:
+        bench = json.loads(file.read_text())
+        seconds = step_remainder_s(bench)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"--step-rest-from={path}: not a bench-train result ({error}); give the "
+            "bench_train.json that `megatron-dcp bench-train` wrote."
+        ) from None
+    return StepRest(seconds, f"measured by bench-train, {path}")
