@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The link-rate sweep of issue 39 ("where communication costs"): `megatron-dcp bench-train` (arms
+# The link-rate sweep ("where communication costs"): `megatron-dcp bench-train` (arms
 # static, dcp, megatron_dev) on four workloads at 2 ranks (one per core), each over an unshaped
 # loopback and over loopbacks shaped by tc's tbf to slower rates; the long-heavy workload repeated
 # at two rates; one run on two emulated nodes (4 ranks, oversubscribed). At its start, on the idle
@@ -82,7 +82,33 @@ run() {  # workload, rate, tag ("" or r2, 2nodes, ...), ranks, extra bench-train
   tail -n 12 "$dir.txt"
   [ "$status" = 0 ] || echo "bench_links.sh: $name FAILED (exit $status; see $dir.txt)"
   echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
+  RUNS_DONE=$((RUNS_DONE + 1))
+  progress_line
 }
+
+# The sweep's progress after each run: runs done of all, elapsed, an estimate of what is left.
+progress_line() {
+  local left=""
+  if [ "$RUNS_DONE" -lt "$RUNS_TOTAL" ]; then
+    left=", ~$(( SECONDS * (RUNS_TOTAL - RUNS_DONE) / RUNS_DONE / 60 )) min left"
+  fi
+  echo "bench_links.sh: $RUNS_DONE/$RUNS_TOTAL runs, $((SECONDS / 60)) min $((SECONDS % 60)) s$left"
+}
+
+# How many runs the loops below make (the sweep's progress counts against it).
+count_runs() {
+  local total=0 workload
+  for workload in $WORKLOADS; do total=$((total + $(wc -w <<< "$RATES"))); done
+  for workload in $REPEAT_WORKLOADS; do
+    case " $WORKLOADS " in *" $workload "*)
+      total=$((total + 2 * $(wc -w <<< "$REPEAT_RATES"))) ;;
+    esac
+  done
+  [ -z "$NODES_RATE" ] || total=$((total + 1))
+  echo "$total"
+}
+RUNS_DONE=0
+RUNS_TOTAL=$(count_runs)
 
 mkdir -p "$OUT"
 : > "$OUT/timings.txt"

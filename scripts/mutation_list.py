@@ -30,6 +30,7 @@ VALUE_TESTS = (RL_MODELS + "test_value_model_equals_single_process",)
 REWARD_TESTS = (RL_MODELS + "test_reward_model_pointwise_and_pairwise_equal_single_process",)
 DISTILL_TESTS = (RL_MODELS + "test_distillation_equals_single_process",)
 ADAPTERS = "megatron_dcp/adapters/"
+VERL_CRITIC = "tests/integration/test_verl_critic.py::"
 HYBRID_DCP = "tests/integration/test_dcp_hybrid.py::test_hybrid_step_equals_single_process"
 VALIDATE_TESTS = ("tests/unit/scheduling/test_plan_validate.py",)
 
@@ -512,6 +513,30 @@ RL_MODEL_MUTANTS = (
         "    if True:",
         DISTILL_TESTS,
         "no TP gather: the KL is taken over this TP rank's vocabulary shard",
+    ),
+    Mutant(
+        "verl-value-forward-unfixed",
+        "megatron_dcp/integration/patches/verl_critic.py",
+        "        if not self.engine_config.dynamic_context_parallel:",
+        "        if True:",
+        (VERL_CRITIC + "test_critic_under_dcp_equals_single_process",),
+        "verl's own value forward under DCP: values sharded on the static CP group",
+    ),
+    Mutant(
+        "verl-value-refusal-kept",
+        "megatron_dcp/integration/patches/verl_critic.py",
+        "            model_config = LanguageModelView(model_config)",
+        "            pass",
+        (VERL_CRITIC + "test_critic_under_dcp_equals_single_process",),
+        "the value model's refusal not lifted: verl's critic cannot run under DCP",
+    ),
+    Mutant(
+        "verl-value-lift-without-fix",
+        "megatron_dcp/integration/patches/verl_critic.py",
+        "    return bool(getattr(forward, PASSES_LOCAL_CP_SIZE, False))",
+        "    return True",
+        (VERL_CRITIC + "test_only_the_value_model_refusal_is_lifted",),
+        "the refusal lifted even where verl's unfixed value forward would run",
     ),
 )
 

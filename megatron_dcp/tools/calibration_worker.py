@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.cost_fit import MICROBATCH, Vector, group_features
 
@@ -118,13 +118,25 @@ def _time_grid(rank: int, world_size: int, args: argparse.Namespace, job: Timing
             _micro_batch(point, groups, args, job.seed + i) for i, point in enumerate(job.points)
         ]
         counts = _timings_per_pass([_time_point(model, batch) for batch in batches])
+        progress = _pass_progress(rank, job)
         timings: RankTimes = [[] for _ in batches]
-        for _ in range(job.repeats):
+        for done in range(1, job.repeats + 1):
             for batch, count, mine in zip(batches, counts, timings):
                 mine.extend(_time_point(model, batch) for _ in range(count))
+            progress(done)
     finally:
         groups.destroy()
     return timings
+
+
+def _pass_progress(rank: int, job: TimingJob) -> Callable[[int], None]:
+    """Rank 0 reports each timed pass over the grid, between passes (never inside a timing)."""
+    if rank != 0:
+        return lambda done: None
+    from megatron_dcp.tools.progress import Progress
+
+    progress = Progress("calibrate", job.repeats, f"timed passes of {len(job.points)} points")
+    return progress.update
 
 
 def _timings_per_pass(warm_up: Sequence[Optional[float]]) -> List[int]:

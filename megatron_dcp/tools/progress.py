@@ -7,12 +7,14 @@ between its items (never from training's hot path)."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import Callable, Optional, TextIO
 
 TERMINAL_EVERY_S = 0.5
 PLAIN_EVERY_S = 30.0
+DCP_ITERATION = re.compile(r"\[DCP\] iteration\s+(\d+)")  # a training iteration's log line
 
 
 def duration(seconds: float) -> str:
@@ -67,3 +69,19 @@ class Progress:
         else:
             self.stream.write(self.line(done, note) + "\n")
         self.stream.flush()
+
+
+def iteration_reader(
+    progress: Progress, note: Callable[[int], str] = lambda iteration: ""
+) -> Callable[[str], None]:
+    """A reader of a training run's output, line by line (``launcher.run_pretrain``'s
+    ``on_line``), that reports each finished iteration: its ``[DCP]`` line, which rank 0 prints
+    after the step. ``note(iteration)`` adds what the command knows of it (a batch, an arm)."""
+
+    def read(line: str) -> None:
+        match = DCP_ITERATION.search(line)
+        if match:
+            iteration = int(match.group(1))
+            progress.update(iteration, note(iteration))
+
+    return read

@@ -39,6 +39,7 @@ from megatron_dcp.tools.launcher import (
     run_pretrain,
 )
 from megatron_dcp.tools.plot import require_matplotlib
+from megatron_dcp.tools.progress import Progress, iteration_reader
 
 NPROC, TP, CP = 8, 2, 4
 MODEL: Dict[str, object] = {
@@ -100,7 +101,9 @@ def sft_model(out: Path) -> Dict[str, object]:
 def train(model: Dict[str, object], scheduler: str, iters: int, out: Path) -> RunLog:
     options = {**model, "--train-iters": iters, "--sequence-packing-scheduler": scheduler}
     print(f"quickstart: training with {scheduler} on {NPROC} CPU ranks (tp {TP}, cp {CP}) ...")
-    return run_pretrain(flag_list(options), NPROC, out / f"{scheduler}.log")
+    progress = Progress(f"quickstart: {scheduler}", iters, "iterations")
+    log = out / f"{scheduler}.log"
+    return run_pretrain(flag_list(options), NPROC, log, on_line=iteration_reader(progress))
 
 
 def histogram(sizes: Dict[int, int]) -> str:

@@ -113,12 +113,16 @@ def test_lengths_beyond_seq_length_are_refused_before_measuring(capsys, tmp_path
 
 
 @pytest.mark.skipif(available_cores() < 2, reason="2 ranks need 2 cores")
-def test_tiny_calibration_writes_a_profile(capsys, tmp_path):
+def test_tiny_calibration_writes_a_profile(capfd, tmp_path):
+    """... and reports its timed passes from rank 0 (a forked rank: captured at the fd)."""
     output = tmp_path / "profile.json"
     grid_flags = ["--lengths", "64,128,256,512", "--pack-sizes", "1,2", "--repeats", "2"]
     argv = ["calibrate", "--output", str(output), "--nproc", "2", *grid_flags, "--timeout", "120"]
     assert cli.main([*argv, *TINY_MODEL]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
+    passes = [line for line in out.splitlines() if line.startswith("calibrate: ")]
+    assert passes[1].startswith("calibrate: 1/2 timed passes of 14 points, ")
+    assert passes[2].startswith("calibrate: 2/2 timed passes of 14 points, ")
     profile = load_profile(str(output))
     source = profile.source
     assert profile.cost.linear > 0

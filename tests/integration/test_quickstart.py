@@ -94,6 +94,25 @@ def test_the_quickstart_prints_the_table_and_its_notes(monkeypatch, capsys, tmp_
     assert drawn == [(plans[0], COST, tmp_path / "plan_iteration1.png")]
 
 
+def test_each_run_reports_its_iterations_off_a_terminal(monkeypatch, capsys, tmp_path):
+    """The quick-start's two runs report their iterations as the training log shows them (the
+    ``[DCP]`` line rank 0 prints after each step), as plain lines when stdout is no terminal."""
+
+    def fake_run(flags, nproc, log, on_line=None):
+        for iteration in (1, 2, 3):
+            on_line("a megatron line\n")
+            on_line(f" [DCP] iteration {iteration:8d} | micro-batches: 2 | ...\n")
+        return "the run's log"
+
+    monkeypatch.setattr(quickstart, "run_pretrain", fake_run)
+    assert quickstart.train(quickstart.MODEL, "default_dynamic_cp", 3, tmp_path) == "the run's log"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("quickstart: training with default_dynamic_cp on 8 CPU ranks")
+    assert lines[1].startswith("quickstart: default_dynamic_cp: 1/3 iterations, ")
+    assert lines[-1].startswith("quickstart: default_dynamic_cp: 3/3 iterations, ")
+    assert len(lines) == 3  # off a terminal: at most one line per 30 s, and the last
+
+
 def test_the_quickstart_trains_the_model_of_the_tp2_functional_case():
     """The quick-start's runs are recorded above (no model is built here); the model its flags
     ask for is the dense GPT of ``gpt3_tp2_pp1_cp4_dcp``, whose runs check megatron's parameter

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,6 @@ DEFAULTS: Dict[str, object] = {
 # steps, not in a background thread; samples read in the rank's process, not by data-loader
 # worker processes (whose samples cross to the rank one shared-memory handle per tensor).
 CPU_DEFAULTS: Dict[str, object] = {"--dcp-prefetch": "off", "--num-workers": 0}
-DCP_ITERATION = re.compile(r"\[DCP\] iteration\s+(\d+)")  # a training iteration's log line
 # The data sources of the training entry point besides the default mock lengths.
 DATA_SOURCES = ("--sft-data", "--varlen-lengths-file", "--data-path")
 # Set by the command whatever the user passes: the run is a benchmark of these arms.
@@ -225,18 +223,13 @@ def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[st
 def iteration_progress(iterations: int, arms: Sequence[str]) -> Callable[[str], None]:
     """A reader of the training output that reports each finished iteration (its ``[DCP]``
     line): the batch and the arm it ran, the elapsed time and an estimate of what is left."""
-    from megatron_dcp.tools.progress import Progress
+    from megatron_dcp.tools.progress import Progress, iteration_reader
 
-    progress = Progress("bench-train", iterations, "iterations")
+    def note(iteration: int) -> str:
+        batch, arm = arm_at(iteration, arms)
+        return f"batch {batch + 1}/{iterations // len(arms)}, arm {arm}"
 
-    def read(line: str) -> None:
-        match = DCP_ITERATION.search(line)
-        if match:
-            iteration = int(match.group(1))
-            batch, arm = arm_at(iteration, arms)
-            progress.update(iteration, f"batch {batch + 1}/{iterations // len(arms)}, arm {arm}")
-
-    return read
+    return iteration_reader(Progress("bench-train", iterations, "iterations"), note)
 
 
 def cuda_ranks() -> bool:
