@@ -103,6 +103,14 @@ COST_MUTANTS = (
         "the ring all-reduce's (R − 1)/R factor dropped from the predicted step rest",
     ),
     Mutant(
+        "estimate-host-per-step-only",
+        "megatron_dcp/tools/estimate/step_rest.py",
+        "host = per_step + per_sample * global_batch_size",
+        "host = per_step",
+        (ESTIMATE_TESTS + "test_the_predicted_step_rest_is_the_all_reduce_and_the_optimizer",),
+        "the CPU host term without its share per sample of the global batch",
+    ),
+    Mutant(
         "cost-sequence-not-priced",
         "megatron_dcp/scheduling/cost.py",
         "cost = self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size) + self.sequence",

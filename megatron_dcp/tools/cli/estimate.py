@@ -237,7 +237,9 @@ def step_rest(
     if args.step_rest_from:
         return measured_step_rest(args.step_rest_from)
     ranks = spec.dp_size * spec.cp_size
-    return predicted_step_rest(shape, hardware, ranks, args.pipeline_model_parallel_size)
+    return predicted_step_rest(
+        shape, hardware, ranks, args.pipeline_model_parallel_size, args.global_batch_size
+    )
 
 
 def progress_reporter(total: int) -> Callable[[int], None]:

@@ -5,10 +5,11 @@ Measured, it is megatron's step time less the forward-backward
 (:func:`~megatron_dcp.tools.link_sweep.runs.step_remainder_s` of a ``bench-train`` run). Before
 any run it is predicted from the model and the hardware profile (docs/performance.md, "The missing
 term at low link rates"): the gradient all-reduce, 2 × (R − 1) / R × the gradient bytes over one
-rank's link, R the DP×CP ranks that reduce them; and the optimizer, one memory-bound pass of Adam
-over the parameters, their gradients and its two moments. Only weights that do matmul work are
-counted (from :class:`ModelShape`'s linear FLOPs: 2 per weight and token, three passes), so
-biases and norms are left out, and of a MoE layer only the experts a token runs.
+rank's link, R the DP×CP ranks that reduce them; the optimizer, one memory-bound pass of Adam
+over the parameters, their gradients and its two moments; and on the CPU backend the host's work
+between the steps (:data:`HOST_STEP_S`). Only weights that do matmul work are counted (from
+:class:`ModelShape`'s linear FLOPs: 2 per weight and token, three passes), so biases and norms
+are left out, and of a MoE layer only the experts a token runs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ OPTIMIZER_BYTES_PER_PARAMETER = 7 * 4
 # HBM3 (3.35 TB/s, datasheet); on the CPU backend torch's Adam on one core of the project's 2-core
 # AMD EPYC, which moved 9–15 GB/s at 28 bytes per parameter (0.8 and 6.3 M parameters).
 MEMORY_BANDWIDTH = {"h100-nvlink": 3.35e12, "h100-eager": 3.35e12, "cpu-gloo": 10e9}
+# The host's work inside a step beyond the two terms above, by hardware profile: (seconds per
+# step, seconds per sample of the global batch). On the CPU backend bench-train prepares the next
+# batch between the steps (--dcp-prefetch off, --num-workers 0: reading, planning, routing its
+# samples) besides megatron's own bookkeeping; fitted to the step rest four bench-train runs
+# measured on the project's 2-core AMD EPYC (global batches of 8, 16 and 32 samples: 35–57 ms,
+# docs/estimate.md). On a GPU training's prefetch thread and data-loader workers do it while
+# the step runs: nothing is added.
+HOST_STEP_S = {"cpu-gloo": (18.9e-3, 0.67e-3)}
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class StepRest:
     all_reduce_s: float = 0.0
     optimizer_s: float = 0.0
     parameters: int = 0  # weights per model-parallel rank that the all-reduce carries
+    host_s: float = 0.0  # the host's work between the steps (CPU backend)
 
     def describe(self) -> str:
         if self.source != "predicted":
@@ -46,7 +56,8 @@ class StepRest:
         return (
             f"step rest {self.seconds * 1e3:.1f} ms (predicted: gradient all-reduce "
             f"{self.all_reduce_s * 1e3:.1f} ms of {self.parameters / 1e6:.2f} M parameters, "
-            f"optimizer {self.optimizer_s * 1e3:.1f} ms)"
+            f"optimizer {self.optimizer_s * 1e3:.1f} ms"
+            + (f", host {self.host_s * 1e3:.1f} ms)" if self.host_s else ")")
         )
 
     def as_dict(self) -> dict:
@@ -60,16 +71,24 @@ def matmul_parameters(shape: ModelShape) -> int:
 
 
 def predicted_step_rest(
-    shape: ModelShape, hardware: HardwareProfile, ranks: int, pipeline_stages: int = 1
+    shape: ModelShape,
+    hardware: HardwareProfile,
+    ranks: int,
+    pipeline_stages: int = 1,
+    global_batch_size: int = 0,
 ) -> StepRest:
     """The step rest of training ``shape`` on ``hardware`` with ``ranks`` DP×CP ranks reducing
-    each gradient and ``pipeline_stages`` stages sharing the layers out."""
+    each gradient, ``pipeline_stages`` stages sharing the layers out and global batches of
+    ``global_batch_size`` samples."""
     parameters = matmul_parameters(shape) // max(1, pipeline_stages)
     gradient_bytes = parameters * hardware.bytes_per_element
     all_reduce = 2 * (ranks - 1) / ranks * gradient_bytes / hardware.link_bandwidth
     bandwidth = MEMORY_BANDWIDTH.get(hardware.name, MEMORY_BANDWIDTH["h100-nvlink"])
     optimizer = parameters * OPTIMIZER_BYTES_PER_PARAMETER / bandwidth
-    return StepRest(all_reduce + optimizer, "predicted", all_reduce, optimizer, parameters)
+    per_step, per_sample = HOST_STEP_S.get(hardware.name, (0.0, 0.0))
+    host = per_step + per_sample * global_batch_size
+    total = all_reduce + optimizer + host
+    return StepRest(total, "predicted", all_reduce, optimizer, parameters, host)
 
 
 def measured_step_rest(path: str) -> StepRest:

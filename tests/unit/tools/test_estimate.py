@@ -119,10 +119,13 @@ def test_the_predicted_step_rest_is_the_all_reduce_and_the_optimizer():
                        num_query_groups=4, vocab_size=1024, gated_mlp=False)  # fmt: skip
     assert matmul_parameters(shape) == 524288
     cpu = hardware_profile("cpu-gloo")
-    rest = predicted_step_rest(shape, cpu, ranks=2)
+    rest = predicted_step_rest(shape, cpu, ranks=2, global_batch_size=32)
     assert rest.all_reduce_s == pytest.approx(524288 * 4 / cpu.link_bandwidth)
-    assert rest.seconds == pytest.approx(rest.all_reduce_s + rest.optimizer_s)
+    assert rest.host_s == pytest.approx(18.9e-3 + 32 * 0.67e-3)  # CPU: between the steps
+    assert rest.seconds == pytest.approx(rest.all_reduce_s + rest.optimizer_s + rest.host_s)
     assert predicted_step_rest(shape, cpu, ranks=1).all_reduce_s == 0.0
+    gpu = predicted_step_rest(shape, hardware_profile("h100-eager"), ranks=2, global_batch_size=32)
+    assert gpu.host_s == 0.0  # prefetched while the step runs
 
 
 def test_the_measured_step_rest_is_read_as_link_sweep_reads_it(tmp_path):
