@@ -291,21 +291,24 @@ def reward_reference(rank: int, world: int, rollouts: Rollouts) -> Run:
 TOP_K = 8
 
 
-def teacher_outputs(rollouts: Rollouts, tp: int, budget: int, top_k: int, groups):
+def teacher_outputs(rollouts: Rollouts, case: tuple, groups):
     """The teacher's log-probabilities per sample, from its own DCP plan: top-k ``(values,
-    ids)`` or the full ``[L, V]`` (ids None); and the teacher's plan."""
+    ids)`` (over its vocabulary shards under ``vocab_parallel``) or the full ``[L, V]`` (ids
+    None); and the teacher's plan."""
+    tp, top_k, _, (_, budget), vocab_parallel = case
     teacher = setup_teacher(tp)
     split = split_batch(rollouts.samples, groups, DCPConfig.for_model(teacher.config, budget))
     values, ids = [], []
     with torch.no_grad():
         for mb in split.microbatches:
-            logits = full_vocab_logits(forward(teacher, mb))
+            logits = forward(teacher, mb)
             if top_k:
-                top_values, top_ids = teacher_top_k(logits, top_k)
+                shards = logits if vocab_parallel else full_vocab_logits(logits)
+                top_values, top_ids = teacher_top_k(shards, top_k, vocab_parallel)
                 values.append(top_values)
                 ids.append(top_ids)
             else:
-                values.append(torch.log_softmax(logits.float(), dim=-1))
+                values.append(torch.log_softmax(full_vocab_logits(logits).float(), dim=-1))
     merged_ids = merge_outputs(ids, split, groups) if top_k else None
     return merge_outputs(values, split, groups), merged_ids, split.plan
 
@@ -316,18 +319,19 @@ def setup_teacher(tp: int):
 
 
 def distill_step(rank: int, world: int, rollouts: Rollouts, case: tuple) -> Run:
-    tp, top_k, direction, budgets = case
+    tp, top_k, direction, budgets, vocab_parallel = case
     model = setup_rank(tp, 2, OPTIONS, scalar=False)
     groups = create_dcp_groups()
-    values, ids, teacher_plan = teacher_outputs(rollouts, tp, budgets[1], top_k, groups)
+    values, ids, teacher_plan = teacher_outputs(rollouts, case, groups)
     split = split_batch(rollouts.samples, groups, DCPConfig.for_model(model.config, budgets[0]))
     count, loss = rollouts.response_tokens, torch.zeros(())
     mask = [torch.cat([torch.zeros(1), m[1:]]) for m in rollouts.response]
     for mb in split.microbatches:
-        logits = full_vocab_logits(forward(model, mb))
+        logits = forward(model, mb)
+        logits = logits if vocab_parallel else full_vocab_logits(logits)
         teacher = shard_per_token(values, split, mb.index)
         teacher_ids = shard_per_token(ids, split, mb.index) if top_k else None
-        kl = kl_per_token(logits, teacher, teacher_ids, direction)
+        kl = kl_per_token(logits, teacher, teacher_ids, direction, vocab_parallel)
         part = masked_mean_loss(kl, shard_per_token(mask, split, mb.index), count, split)
         part.backward()
         loss += part.detach()
@@ -338,7 +342,7 @@ def distill_step(rank: int, world: int, rollouts: Rollouts, case: tuple) -> Run:
 
 
 def distill_reference(rank: int, world: int, rollouts: Rollouts, case: tuple) -> Run:
-    _, top_k, direction, _ = case
+    _, top_k, direction, _, _ = case
     model = setup_rank(1, 1, OPTIONS, scalar=False)
     (teacher,) = build_tiny_gpt(options=TEACHER)
     total = 0.0
@@ -421,9 +425,12 @@ def test_reward_model_pointwise_and_pairwise_equal_single_process(tp):
     assert_equal_runs(results, reference, len(LENGTHS))
 
 
-DISTILL_CASES = [  # (tp, top-k (0: full log-probs), direction, (student, teacher) budgets)
-    pytest.param((1, TOP_K, "forward", (64, 96)), id="dp2cp2-topk-forward"),
-    pytest.param((2, 0, "reverse", (96, 160)), id="tp2cp2-full-reverse"),
+DISTILL_CASES = [  # (tp, top-k (0: full log-probs), direction, (student, teacher) budgets,
+    # the student's logits kept as vocabulary shards under TP)
+    pytest.param((1, TOP_K, "forward", (64, 96), False), id="dp2cp2-topk-forward"),
+    pytest.param((2, 0, "reverse", (96, 160), False), id="tp2cp2-full-reverse"),
+    pytest.param((2, TOP_K, "reverse", (96, 160), True), id="tp2cp2-topk-reverse-vocab-parallel"),
+    pytest.param((2, 0, "forward", (96, 160), True), id="tp2cp2-full-forward-vocab-parallel"),
 ]
 
 

@@ -100,6 +100,7 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
         "integration/megatron_dev_api.py",
         "integration/patches/dev_api.py",
         "integration/patches/__init__.py",
+        "integration/patches/verl_distill.py",
     ),
 }
 # Known messages that no literal above raises: argparse's command-line errors (the training

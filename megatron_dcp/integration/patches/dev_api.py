@@ -2,9 +2,10 @@
 (what they do: :mod:`megatron_dcp.integration.megatron_dev_api`). Each name's entry applies only
 where the installed megatron-core lacks it, so a megatron-core that has it natively is left alone.
 One entry is no dev name: ``upstream_mtp_ratios`` (always) gives the micro-batches verl hands
-megatron's schedules the global MTP token ratios (docs/rl.md, "MTP under verl"). The last two,
-where verl 0.9 is imported, run verl's value model (its critic) under dynamic CP
-(:mod:`~megatron_dcp.integration.patches.verl_critic`)."""
+megatron's schedules the global MTP token ratios (docs/rl.md, "MTP under verl"). The last three,
+where verl 0.9 is imported, run verl's value model (its critic,
+:mod:`~megatron_dcp.integration.patches.verl_critic`) and its top-k distillation loss
+(:mod:`~megatron_dcp.integration.patches.verl_distill`) under dynamic CP."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Callable, Tuple
 from megatron_dcp.integration.patches.mtp_loss import active_mtp_ratios, mtp_token_ratios
 from megatron_dcp.integration.patches.table import MISSING, Condition, Patch, resolve
 from megatron_dcp.integration.patches.verl_critic import VERL_PATCHES
+from megatron_dcp.integration.patches.verl_distill import VERL_DISTILL_PATCHES
 
 PARALLEL_STATE = "megatron.core.parallel_state"
 DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
@@ -227,4 +229,5 @@ UPSTREAM_PATCHES: Tuple[Patch, ...] = (
         when=_lacks(UPSTREAM_NAMES[3]),
     ),
     *VERL_PATCHES,
+    *VERL_DISTILL_PATCHES,
 )

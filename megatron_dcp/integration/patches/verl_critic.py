@@ -23,7 +23,8 @@ So two entries, applied only where verl 0.9 is imported in the process (verl imp
 ``megatron_dcp.verl_plugin`` itself, inside ``import verl``): the value engine's forward step
 under DCP passes what the language-model engine passes (``local_cp_size``, the padding mask),
 and the check then lets value models through; every other refusal of verl's check stays. The
-lift holds only while the forward entry is applied.
+lift holds only while the forward entry is applied. The same wrapper of the check (the table's
+only one) also lifts verl's distillation refusal while :mod:`.verl_distill`'s entry is applied.
 """
 
 from __future__ import annotations
@@ -134,14 +135,25 @@ def value_forward_fixed(engine_module: Any) -> bool:
     return bool(getattr(forward, PASSES_LOCAL_CP_SIZE, False))
 
 
+def _distillation_lifted(batch: Any) -> Any:
+    """The batch as verl's check is shown it (:func:`.verl_distill.distillation_lifted`)."""
+    # Imported here: verl_distill imports this module (VERL_IMPORTED).
+    from megatron_dcp.integration.patches.verl_distill import distillation_lifted
+
+    return distillation_lifted(batch)
+
+
 def _lifted_check(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    """verl's DCP check with its value-model refusal lifted; its other refusals unchanged."""
+    """verl's DCP check (the table's one wrapper of it) with two refusals lifted, each only while
+    its fixing entry is applied: value models (:func:`value_forward_fixed`) and top-k
+    distillation (:func:`.verl_distill.topk_loss_fixed`); its other refusals unchanged."""
 
     @functools.wraps(original)
     def check(engine_config, model_config, tf_config=None, batch=None):
         value_model = getattr(model_config, "model_type", None) == "value_model"
         if value_model and value_forward_fixed(owner):
             model_config = LanguageModelView(model_config)
+        batch = _distillation_lifted(batch)
         return original(engine_config, model_config, tf_config=tf_config, batch=batch)
 
     return check
@@ -163,8 +175,9 @@ VERL_PATCHES: Tuple[Patch, ...] = (
         "upstream_verl_value_model",
         "upstream",
         (DCP_CHECK,),
-        "verl 0.9 refuses value models (its PPO critic) under dynamic CP; with the value "
-        "forward on the micro-batch's group they run, so only that refusal is lifted.",
+        "verl 0.9 refuses value models (its PPO critic) and top-k distillation under dynamic "
+        "CP; with the value forward and the teacher's top-k on the micro-batch's group they "
+        "run, so only those refusals are lifted, each while its fixing entry is applied.",
         _lifted_check,
         when=VERL_IMPORTED,
     ),
