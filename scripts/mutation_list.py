@@ -31,6 +31,7 @@ REWARD_TESTS = (RL_MODELS + "test_reward_model_pointwise_and_pairwise_equal_sing
 DISTILL_TESTS = (RL_MODELS + "test_distillation_equals_single_process",)
 ADAPTERS = "megatron_dcp/adapters/"
 VERL_CRITIC = "tests/integration/test_verl_critic.py::"
+VERL_DISTILL = "tests/integration/test_verl_distill.py::"
 HYBRID_DCP = "tests/integration/test_dcp_hybrid.py::test_hybrid_step_equals_single_process"
 VALIDATE_TESTS = ("tests/unit/scheduling/test_plan_validate.py",)
 
@@ -541,7 +542,7 @@ RL_MODEL_MUTANTS = (
     ),
     Mutant(
         "verl-value-refusal-kept",
-        "megatron_dcp/integration/patches/verl_critic.py",
+        "megatron_dcp/integration/patches/verl_refusals.py",
         "            model_config = LanguageModelView(model_config)",
         "            pass",
         (VERL_CRITIC + "test_critic_under_dcp_equals_single_process",),
@@ -549,11 +550,27 @@ RL_MODEL_MUTANTS = (
     ),
     Mutant(
         "verl-value-lift-without-fix",
-        "megatron_dcp/integration/patches/verl_critic.py",
+        "megatron_dcp/integration/patches/verl_refusals.py",
         "    return bool(getattr(forward, PASSES_LOCAL_CP_SIZE, False))",
         "    return True",
         (VERL_CRITIC + "test_only_the_value_model_refusal_is_lifted",),
         "the refusal lifted even where verl's unfixed value forward would run",
+    ),
+    Mutant(
+        "verl-distill-teacher-on-static-group",
+        "megatron_dcp/integration/patches/verl_distill.py",
+        "    rows, *_ = preprocess_thd_engine(tensor, pre_process=True, local_cp_size=local_cp_size)",
+        "    rows, *_ = preprocess_thd_engine(tensor, pre_process=True)",
+        (VERL_DISTILL + "test_topk_distillation_under_dcp_equals_single_process",),
+        "the teacher's top-k rows cut on the static CP group, the student's on the dynamic one",
+    ),
+    Mutant(
+        "verl-distill-lift-without-fix",
+        "megatron_dcp/integration/patches/verl_refusals.py",
+        "    return bool(getattr(losses.compute_topk_loss, SHARDS_ON_GROUP, False))",
+        "    return True",
+        (VERL_DISTILL + "test_only_the_distillation_refusal_is_lifted_with_the_fix",),
+        "the distillation refusal lifted even where verl's unfixed top-k loss would run",
     ),
 )
 

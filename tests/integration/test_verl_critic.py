@@ -44,9 +44,12 @@ from verl.workers.utils.losses import value_loss  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 from megatron_dcp.integration.patches import table  # noqa: E402
-from megatron_dcp.integration.patches.verl_critic import VERL_PATCHES  # noqa: E402
+from megatron_dcp.integration.patches.verl_critic import CRITIC_PATCHES  # noqa: E402
+from megatron_dcp.integration.patches.verl_refusals import REFUSAL_PATCHES  # noqa: E402
 from megatron_dcp.testing.gpt import build_tiny_gpt, gather_full_tensors, init_megatron  # noqa
 from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
+
+VERL_PATCHES = CRITIC_PATCHES + REFUSAL_PATCHES  # the value forward, then the lift
 
 TIMEOUT_S = 120
 WORLD, CP, BUDGET = 4, 2, 48

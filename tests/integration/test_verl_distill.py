@@ -48,10 +48,13 @@ from verl.workers.config import (  # noqa: E402
 from verl.workers.engine.megatron import transformer_impl  # noqa: E402
 
 from megatron_dcp.integration.patches import table  # noqa: E402
-from megatron_dcp.integration.patches.verl_critic import VERL_PATCHES  # noqa: E402
+from megatron_dcp.integration.patches.verl_critic import CRITIC_PATCHES  # noqa: E402
 from megatron_dcp.integration.patches.verl_distill import VERL_DISTILL_PATCHES  # noqa: E402
+from megatron_dcp.integration.patches.verl_refusals import REFUSAL_PATCHES  # noqa: E402
 from megatron_dcp.testing.gpt import build_tiny_gpt, gather_full_tensors, init_megatron  # noqa
 from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
+
+VERL_PATCHES = CRITIC_PATCHES + REFUSAL_PATCHES  # the value forward, then the lift
 
 TIMEOUT_S = 120
 WORLD, CP, BUDGET = 4, 2, 48
@@ -210,7 +213,8 @@ def test_topk_distillation_under_dcp_equals_single_process():
     assert all(r["lifted"] for r in results)
     assert_covers([r["ran"] for r in results], Layout(dp=WORLD // CP, cp=CP), mix_of={1, 2})
     assert reference["loss"] > 0 and reference["grads"]["output_layer.weight"].abs().max() > 0
-    print("top-k distillation under DCP vs single process:", largest_differences(results, reference))
+    differences = largest_differences(results, reference)
+    print("top-k distillation under DCP vs single process:", differences)
     for result in results:
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         for name, grad in reference["grads"].items():
@@ -242,7 +246,9 @@ def test_only_the_distillation_refusal_is_lifted_with_the_fix():
         pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
     )
     model = SimpleNamespace(model_type="language_model", hf_config=SimpleNamespace())
-    vision = SimpleNamespace(model_type="language_model", hf_config=SimpleNamespace(vision_config=1))
+    vision = SimpleNamespace(
+        model_type="language_model", hf_config=SimpleNamespace(vision_config=1)
+    )
     batches = [TensorDict({}, batch_size=[]) for _ in range(2)]
     tu.assign_non_tensor(batches[0], distillation_use_topk=True)
     tu.assign_non_tensor(batches[1], distillation_only=True)

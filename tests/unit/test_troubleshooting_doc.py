@@ -100,6 +100,7 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
         "integration/megatron_dev_api.py",
         "integration/patches/dev_api.py",
         "integration/patches/__init__.py",
+        "integration/patches/verl_critic.py",
         "integration/patches/verl_distill.py",
     ),
 }

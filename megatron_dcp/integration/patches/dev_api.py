@@ -5,7 +5,9 @@ One entry is no dev name: ``upstream_mtp_ratios`` (always) gives the micro-batch
 megatron's schedules the global MTP token ratios (docs/rl.md, "MTP under verl"). The last three,
 where verl 0.9 is imported, run verl's value model (its critic,
 :mod:`~megatron_dcp.integration.patches.verl_critic`) and its top-k distillation loss
-(:mod:`~megatron_dcp.integration.patches.verl_distill`) under dynamic CP."""
+(:mod:`~megatron_dcp.integration.patches.verl_distill`) under dynamic CP, and the one wrapper of
+verl's check that lifts those two refusals
+(:mod:`~megatron_dcp.integration.patches.verl_refusals`)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from typing import Any, Callable, Tuple
 
 from megatron_dcp.integration.patches.mtp_loss import active_mtp_ratios, mtp_token_ratios
 from megatron_dcp.integration.patches.table import MISSING, Condition, Patch, resolve
-from megatron_dcp.integration.patches.verl_critic import VERL_PATCHES
+from megatron_dcp.integration.patches.verl_critic import CRITIC_PATCHES
 from megatron_dcp.integration.patches.verl_distill import VERL_DISTILL_PATCHES
+from megatron_dcp.integration.patches.verl_refusals import REFUSAL_PATCHES
 
 PARALLEL_STATE = "megatron.core.parallel_state"
 DATA_SCHEDULE = "megatron.core.datasets.data_schedule"
@@ -228,6 +231,7 @@ UPSTREAM_PATCHES: Tuple[Patch, ...] = (
         lambda owner, original: False,
         when=_lacks(UPSTREAM_NAMES[3]),
     ),
-    *VERL_PATCHES,
+    *CRITIC_PATCHES,
     *VERL_DISTILL_PATCHES,
+    *REFUSAL_PATCHES,
 )

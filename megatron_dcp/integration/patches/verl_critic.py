@@ -1,4 +1,4 @@
-"""The ``upstream`` group's verl entries: verl 0.9's value model (its PPO critic) under dynamic CP.
+"""The ``upstream`` group's verl entry for value models: verl 0.9's PPO critic under dynamic CP.
 
 verl 0.9.1 refuses a value model under dynamic CP (``_check_dcp_unsupported_features`` in
 ``verl/workers/engine/megatron/transformer_impl.py``: "Dynamic CP currently supports language
@@ -19,43 +19,25 @@ token t) is verl's ``no_padding_2_padding``, applied per sequence on whole seque
 the value loss on the micro-batch (after the CP gather) and in the trainer after the order is
 restored.
 
-So two entries, applied only where verl 0.9 is imported in the process (verl imports
-``megatron_dcp.verl_plugin`` itself, inside ``import verl``): the value engine's forward step
-under DCP passes what the language-model engine passes (``local_cp_size``, the padding mask),
-and the check then lets value models through; every other refusal of verl's check stays. The
-lift holds only while the forward entry is applied. The same wrapper of the check (the table's
-only one) also lifts verl's distillation refusal while :mod:`.verl_distill`'s entry is applied.
+So one entry, applied only where verl 0.9 is imported in the process: the value engine's
+forward step under DCP passes what the language-model engine passes (``local_cp_size``, the
+padding mask). While it is applied, the wrapper of verl's check (:mod:`.verl_refusals`) lets
+value models through.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 from typing import Any, Callable, Tuple
 
-from megatron_dcp.integration.patches.table import Condition, Patch
+from megatron_dcp.integration.patches.table import Patch
+from megatron_dcp.integration.patches.verl_refusals import (
+    PASSES_LOCAL_CP_SIZE,
+    VERL_ENGINE,
+    VERL_IMPORTED,
+)
 
-VERL_ENGINE = "verl.workers.engine.megatron.transformer_impl"
-VERL_VERSION = "0.9."
 VALUE_FORWARD = f"{VERL_ENGINE}:MegatronEngineWithValueHead.forward_step"
-DCP_CHECK = f"{VERL_ENGINE}:_check_dcp_unsupported_features"
-PASSES_LOCAL_CP_SIZE = "passes_local_cp_size"  # marks megatron_dcp's value forward step
-
-
-def verl_engine_present() -> bool:
-    """verl 0.9 is imported in this process and its Megatron engine imports."""
-    verl = sys.modules.get("verl")
-    if verl is None or not str(getattr(verl, "__version__", "")).startswith(VERL_VERSION):
-        return False
-    try:
-        importlib.import_module(VERL_ENGINE)
-    except ImportError:
-        return False
-    return True
-
-
-VERL_IMPORTED = Condition("verl 0.9 imported, its Megatron engine importable", verl_engine_present)
 
 
 def _micro_batch_group(batch: Any) -> Tuple[int, Any]:
@@ -112,55 +94,11 @@ def _value_forward_step(owner: Any, original: Callable[..., Any]) -> Callable[..
             )
         return value_forward_on_group(self, next(batch_iter), model, postprocess_micro_batch_func)
 
-    forward_step.passes_local_cp_size = True  # PASSES_LOCAL_CP_SIZE
+    setattr(forward_step, PASSES_LOCAL_CP_SIZE, True)
     return forward_step
 
 
-class LanguageModelView:
-    """A model config as verl's DCP check sees it once the value head is lifted: the same in
-    every attribute but ``model_type``."""
-
-    model_type = "language_model"
-
-    def __init__(self, config: Any):
-        self._config = config
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
-
-
-def value_forward_fixed(engine_module: Any) -> bool:
-    """Whether the value engine's forward step is megatron_dcp's (the lift's precondition)."""
-    forward = engine_module.MegatronEngineWithValueHead.forward_step
-    return bool(getattr(forward, PASSES_LOCAL_CP_SIZE, False))
-
-
-def _distillation_lifted(batch: Any) -> Any:
-    """The batch as verl's check is shown it (:func:`.verl_distill.distillation_lifted`)."""
-    # Imported here: verl_distill imports this module (VERL_IMPORTED).
-    from megatron_dcp.integration.patches.verl_distill import distillation_lifted
-
-    return distillation_lifted(batch)
-
-
-def _lifted_check(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    """verl's DCP check (the table's one wrapper of it) with two refusals lifted, each only while
-    its fixing entry is applied: value models (:func:`value_forward_fixed`) and top-k
-    distillation (:func:`.verl_distill.topk_loss_fixed`); its other refusals unchanged."""
-
-    @functools.wraps(original)
-    def check(engine_config, model_config, tf_config=None, batch=None):
-        value_model = getattr(model_config, "model_type", None) == "value_model"
-        if value_model and value_forward_fixed(owner):
-            model_config = LanguageModelView(model_config)
-        batch = _distillation_lifted(batch)
-        return original(engine_config, model_config, tf_config=tf_config, batch=batch)
-
-    return check
-
-
-# The forward entry first: the lift checks that it is applied.
-VERL_PATCHES: Tuple[Patch, ...] = (
+CRITIC_PATCHES: Tuple[Patch, ...] = (
     Patch(
         "upstream_verl_value_forward",
         "upstream",
@@ -169,16 +107,6 @@ VERL_PATCHES: Tuple[Patch, ...] = (
         "mask to its THD forward, so under dynamic CP it shards and gathers on the static CP "
         "group while verl's scheduler gave each rank its dynamic group's samples.",
         _value_forward_step,
-        when=VERL_IMPORTED,
-    ),
-    Patch(
-        "upstream_verl_value_model",
-        "upstream",
-        (DCP_CHECK,),
-        "verl 0.9 refuses value models (its PPO critic) and top-k distillation under dynamic "
-        "CP; with the value forward and the teacher's top-k on the micro-batch's group they "
-        "run, so only those refusals are lifted, each while its fixing entry is applied.",
-        _lifted_check,
         when=VERL_IMPORTED,
     ),
 )

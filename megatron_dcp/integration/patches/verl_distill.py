@@ -23,23 +23,23 @@ group's size and this rank's place in it; zigzag, the layout of every attention 
 after it was already right: the per-token losses are gathered on the dynamic group and
 un-zigzagged per sequence by ``postprocess_thd_engine(local_cp_size=)``, and the token-mean over
 the replicated batch's loss tokens is the actor's (docs/rl.md, "verl's distillation under DCP").
-The refusal is then lifted by the one wrapper of verl's check (:mod:`.verl_critic`), only while
-this entry is applied (:func:`topk_loss_fixed`).
+The refusal is then lifted by the one wrapper of verl's check (:mod:`.verl_refusals`), only
+while this entry is applied (:func:`.verl_refusals.topk_loss_fixed`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any, Callable, Dict, Tuple
 
 from megatron_dcp.integration.patches.table import Patch
-from megatron_dcp.integration.patches.verl_critic import VERL_IMPORTED
+from megatron_dcp.integration.patches.verl_refusals import (
+    SHARDS_ON_GROUP,
+    VERL_DISTILL,
+    VERL_IMPORTED,
+)
 
-VERL_DISTILL = "verl.trainer.distillation.losses"
 TOPK_LOSS = f"{VERL_DISTILL}:compute_topk_loss"
-SHARDS_ON_GROUP = "shards_on_micro_batch_group"  # marks megatron_dcp's top-k loss
-DISTILL_FLAGS = ("distillation_use_topk", "distillation_only")
 # What verl's vocab-parallel KL returns, in its order.
 KL_OUTPUTS = (
     "distillation_losses",
@@ -85,7 +85,8 @@ def topk_loss_on_group(
             f"dynamic CP: {tuple(log_probs.shape[:2])} and {rows}"
         )
     clamp = distillation_config.distillation_loss.log_prob_min_clamp
-    outputs = megatron_losses._VocabParallelKLDivergence.apply(student_logits, log_probs, ids, clamp)
+    kl = megatron_losses._VocabParallelKLDivergence  # verl's vocab-parallel top-k KL
+    outputs = kl.apply(student_logits, log_probs, ids, clamp)
     return dict(zip(KL_OUTPUTS, outputs))
 
 
@@ -111,26 +112,6 @@ def _topk_loss(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(compute_topk_loss, SHARDS_ON_GROUP, True)
     return compute_topk_loss
-
-
-def topk_loss_fixed() -> bool:
-    """Whether verl's top-k loss dispatch is megatron_dcp's (the lift's precondition)."""
-    losses = importlib.import_module(VERL_DISTILL)
-    return bool(getattr(losses.compute_topk_loss, SHARDS_ON_GROUP, False))
-
-
-def distillation_lifted(batch: Any) -> Any:
-    """The batch verl's DCP check is shown: a shallow copy with the distillation flags off when
-    megatron_dcp's top-k loss is applied, else the batch itself (the refusal then stands)."""
-    from verl.utils import tensordict_utils as tu
-
-    if batch is None or not topk_loss_fixed():
-        return batch
-    if not any(tu.get_non_tensor_data(batch, key=key, default=False) for key in DISTILL_FLAGS):
-        return batch
-    shown = batch.copy()
-    tu.assign_non_tensor(shown, **{key: False for key in DISTILL_FLAGS})
-    return shown
 
 
 VERL_DISTILL_PATCHES: Tuple[Patch, ...] = (
