@@ -97,7 +97,7 @@ def kl_per_token(
     if student.shape != teacher.shape:
         raise ValueError(
             f"teacher_log_probs has shape {tuple(teacher_log_probs.shape)}; expected the "
-            f"student's local tokens and vocabulary (top-k needs teacher_ids of its shape)"
+            "student's local tokens and vocabulary (top-k needs teacher_ids of its shape)"
         )
     if direction == "forward":
         terms = teacher.exp() * (teacher - student)
