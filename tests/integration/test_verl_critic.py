@@ -103,38 +103,63 @@ def make_samples(seed: int = 3) -> list[dict]:
 
 
 def padded_rows(samples: list[dict]) -> dict:
-    """The trainer's padded layout: prompts left-padded, responses right-padded."""
+    """The trainer's padded layout: prompts left-padded, responses right-padded (per-token
+    fields of the response or of every position: :func:`pad_responses`,
+    :func:`pad_positions`)."""
     n = len(samples)
     width_p = max(len(s["prompt"]) for s in samples)
     width_r = max(len(s["response"]) for s in samples)
     rows = {"prompts": torch.full((n, width_p), PAD), "responses": torch.full((n, width_r), PAD)}
     rows["attention_mask"] = torch.zeros(n, width_p + width_r, dtype=torch.long)
-    for name in ("response_mask", "values", "returns"):
-        rows[name] = torch.zeros(n, width_r)
+    rows["response_mask"] = torch.zeros(n, width_r)
     for i, sample in enumerate(samples):
         p, r = len(sample["prompt"]), len(sample["response"])
         rows["prompts"][i, width_p - p :] = sample["prompt"]
         rows["responses"][i, :r] = sample["response"]
         rows["attention_mask"][i, width_p - p : width_p + r] = 1
         rows["response_mask"][i, :r] = sample["mask"]
-        rows["values"][i, :r] = sample["old_values"]
-        rows["returns"][i, :r] = sample["returns"]
     rows["input_ids"] = torch.cat([rows["prompts"], rows["responses"]], 1)
     rows["position_ids"] = (rows["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     return rows
 
 
-def critic_batch(samples: list[dict]):
-    """What verl's trainer hands the critic (``_update_critic``): verl's no-padding layout."""
+def pad_responses(rows: dict, samples: list[dict], name: str) -> None:
+    """``rows[name]``: each sample's ``name`` over its response, right-padded with 0."""
+    rows[name] = torch.zeros(rows["responses"].shape)
+    for i, sample in enumerate(samples):
+        rows[name][i, : len(sample[name])] = sample[name]
+
+
+def pad_positions(rows: dict, samples: list[dict], name: str, fill: float) -> None:
+    """``rows[name]``: each sample's ``[length, ...]`` ``name`` at its input positions (prompt
+    left-padded, response right-padded), ``fill`` elsewhere."""
+    width_p, (n, width) = rows["prompts"].shape[1], rows["input_ids"].shape
+    first = samples[0][name]
+    rows[name] = torch.full((n, width, *first.shape[1:]), fill, dtype=first.dtype)
+    for i, sample in enumerate(samples):
+        start = width_p - len(sample["prompt"])
+        rows[name][i, start : start + len(sample[name])] = sample[name]
+
+
+def no_padding_batch(rows: dict, **settings):
+    """verl's no-padding layout of the trainer's rows (``left_right_2_no_padding``), with the
+    batch's non-tensor settings."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    batch = left_right_2_no_padding(TensorDict(padded_rows(samples), batch_size=[len(samples)]))
-    tu.assign_non_tensor(
-        batch, global_batch_size=len(samples), use_dynamic_bsz=False, micro_batch_size_per_gpu=1
-    )
+    batch = left_right_2_no_padding(TensorDict(rows, batch_size=[len(rows["prompts"])]))
+    tu.assign_non_tensor(batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=1, **settings)
     return batch
+
+
+def critic_batch(samples: list[dict]):
+    """What verl's trainer hands the critic (``_update_critic``): verl's no-padding layout."""
+    rows = padded_rows(samples)
+    for name in ("old_values", "returns"):
+        pad_responses(rows, samples, name)
+    rows["values"] = rows.pop("old_values")
+    return no_padding_batch(rows, global_batch_size=len(samples))
 
 
 def critic_config() -> McoreCriticConfig:
@@ -224,21 +249,28 @@ def critic_reference(rank: int, world_size: int, samples) -> dict:
     return {"values": values, "vpreds": vpreds, "loss": total, "grads": grads}
 
 
-def largest_differences(got: dict, want: dict) -> dict:
-    """Largest differences of the output rank's values and of every rank's loss and gradients
-    (each gradient relative to the largest entry of the same parameter)."""
-    results = got["ranks"]
-    (output,) = [r for r in results if r["values"] is not None]
-    vpreds = [row[: len(v)] for row, v in zip(output["vpreds"], want["vpreds"])]
+def loss_and_gradient_differences(results: list[dict], want: dict) -> dict:
+    """Every rank's loss (relative) and gradients (each relative to the largest entry of the
+    same parameter) against the reference's."""
     return {
-        "value": max((a - b).abs().max().item() for a, b in zip(output["values"], want["values"])),
-        "shifted value": max((a - b).abs().max().item() for a, b in zip(vpreds, want["vpreds"])),
         "loss": max(abs(r["loss"] / want["loss"] - 1) for r in results),
         "gradient": max(
             ((r["grads"][name] - g).abs().max() / g.abs().max()).item()
             for r in results
             for name, g in want["grads"].items()
         ),
+    }
+
+
+def largest_differences(results: list[dict], want: dict) -> dict:
+    """The output rank's values (as verl returns them, and right-shifted), then every rank's
+    loss and gradients."""
+    (output,) = [r for r in results if r["values"] is not None]
+    vpreds = [row[: len(v)] for row, v in zip(output["vpreds"], want["vpreds"])]
+    return {
+        "value": max((a - b).abs().max().item() for a, b in zip(output["values"], want["values"])),
+        "shifted value": max((a - b).abs().max().item() for a, b in zip(vpreds, want["vpreds"])),
+        **loss_and_gradient_differences(results, want),
     }
 
 
@@ -260,7 +292,7 @@ def test_critic_under_dcp_equals_single_process():
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         for name, grad in reference["grads"].items():
             torch.testing.assert_close(result["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    print("critic under DCP vs single process:", largest_differences({"ranks": results}, reference))
+    print("critic under DCP vs single process:", largest_differences(results, reference))
 
 
 def refusal(engine_config, model_config, tf_config=None, batch=None) -> str:

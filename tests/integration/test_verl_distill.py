@@ -37,6 +37,13 @@ for extra_module in ("verl", "tensordict", "transformers"):
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
+from test_verl_critic import (  # noqa: E402
+    loss_and_gradient_differences,
+    no_padding_batch,
+    pad_positions,
+    padded_rows,
+    refusal,
+)
 from test_verl_dcp import OPTIONS, init_verl_megatron, observe_verl_plans  # noqa: E402
 from test_verl_engine import lm_engine, use_cpu_platform  # noqa: E402
 from verl.trainer.distillation import distillation_ppo_loss  # noqa: E402
@@ -45,7 +52,6 @@ from verl.workers.config import (  # noqa: E402
     DistillationLossConfig,
     McoreActorConfig,
 )
-from verl.workers.engine.megatron import transformer_impl  # noqa: E402
 
 from megatron_dcp.integration.patches import table  # noqa: E402
 from megatron_dcp.integration.patches.verl_critic import CRITIC_PATCHES  # noqa: E402
@@ -83,46 +89,19 @@ def make_samples(seed: int = 4) -> list[dict]:
     return samples
 
 
-def padded_rows(samples: list[dict]) -> dict:
-    """The trainer's padded layout; the teacher's rows padded with log-prob 0 and the pad id."""
-    n = len(samples)
-    width_p = max(len(s["prompt"]) for s in samples)
-    width_r = max(len(s["response"]) for s in samples)
-    rows = {"prompts": torch.full((n, width_p), PAD), "responses": torch.full((n, width_r), PAD)}
-    rows["attention_mask"] = torch.zeros(n, width_p + width_r, dtype=torch.long)
-    rows["response_mask"] = torch.zeros(n, width_r)
-    rows["teacher_logprobs"] = torch.zeros(n, width_p + width_r, TOPK)
-    rows["teacher_ids"] = torch.full((n, width_p + width_r, TOPK), PAD)
-    for i, sample in enumerate(samples):
-        p, r = len(sample["prompt"]), len(sample["response"])
-        rows["prompts"][i, width_p - p :] = sample["prompt"]
-        rows["responses"][i, :r] = sample["response"]
-        rows["attention_mask"][i, width_p - p : width_p + r] = 1
-        rows["response_mask"][i, :r] = sample["mask"]
-        rows["teacher_logprobs"][i, width_p - p : width_p + r] = sample["teacher_logprobs"]
-        rows["teacher_ids"][i, width_p - p : width_p + r] = sample["teacher_ids"]
-    rows["input_ids"] = torch.cat([rows["prompts"], rows["responses"]], 1)
-    rows["position_ids"] = (rows["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    return rows
-
-
 def distill_batch(samples: list[dict]):
-    """What verl's trainer hands the actor (``_update_actor``) for top-k distillation."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    batch = left_right_2_no_padding(TensorDict(padded_rows(samples), batch_size=[len(samples)]))
-    tu.assign_non_tensor(
-        batch,
+    """What verl's trainer hands the actor (``_update_actor``) for top-k distillation: the
+    teacher's rows padded with log-prob 0 and the pad id."""
+    rows = padded_rows(samples)
+    pad_positions(rows, samples, "teacher_logprobs", 0.0)
+    pad_positions(rows, samples, "teacher_ids", PAD)
+    return no_padding_batch(
+        rows,
         temperature=TEMPERATURE,
         distillation_use_topk=True,
         distillation_only=True,
         global_batch_size=len(samples),
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=1,
     )
-    return batch
 
 
 def distill_loss(engine):
@@ -194,18 +173,6 @@ def distill_reference(rank: int, world_size: int, samples) -> dict:
     return {"loss": total, "grads": gather_full_tensors([model])}
 
 
-def largest_differences(results: list[dict], want: dict) -> dict:
-    """Every rank's loss (relative) and gradients (relative to the parameter's largest)."""
-    return {
-        "loss": max(abs(r["loss"] / want["loss"] - 1) for r in results),
-        "gradient": max(
-            ((r["grads"][name] - g).abs().max() / g.abs().max()).item()
-            for r in results
-            for name, g in want["grads"].items()
-        ),
-    }
-
-
 def test_topk_distillation_under_dcp_equals_single_process():
     samples = make_samples()
     results = run_distributed(distill_step, WORLD, samples, timeout_s=TIMEOUT_S)
@@ -213,23 +180,12 @@ def test_topk_distillation_under_dcp_equals_single_process():
     assert all(r["lifted"] for r in results)
     assert_covers([r["ran"] for r in results], Layout(dp=WORLD // CP, cp=CP), mix_of={1, 2})
     assert reference["loss"] > 0 and reference["grads"]["output_layer.weight"].abs().max() > 0
-    differences = largest_differences(results, reference)
+    differences = loss_and_gradient_differences(results, reference)
     print("top-k distillation under DCP vs single process:", differences)
     for result in results:
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         for name, grad in reference["grads"].items():
             torch.testing.assert_close(result["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def refusal(engine_config, model_config, tf_config=None, batch=None) -> str:
-    """verl's DCP check as verl's engine calls it: its message, or "" when it lets through."""
-    try:
-        transformer_impl._check_dcp_unsupported_features(
-            engine_config, model_config, tf_config=tf_config, batch=batch
-        )
-    except (NotImplementedError, ValueError) as error:
-        return str(error)
-    return ""
 
 
 def test_only_the_distillation_refusal_is_lifted_with_the_fix():
