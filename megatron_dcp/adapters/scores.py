@@ -2,8 +2,9 @@
 
 The adapter's samples carry no padding (packing adds it), so a sample's last token is its last
 non-padding token. Under CP that token lives on one rank of its CP group: the zigzag chunk that
-holds it. :func:`last_token_marks` marks it there, laid out like the packed tokens by
-``shard_per_token``, so every rank knows which of its tokens carry a score without asking.
+holds it. :func:`last_token_marks` marks it there, laid out like the packed tokens as
+``shard_per_token`` lays out per-token values (built for the micro-batch's own samples only),
+so every rank knows which of its tokens carry a score without asking.
 
 - **Pointwise losses** (e.g. a regression to a target score) need no communication: the rank
   holding a sample's last token owns its score, ``masked_mean_loss`` with the marks as the mask
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.adapters.loss import GradReduce
-from megatron_dcp.adapters.split import SplitBatch, shard_per_token
+from megatron_dcp.adapters.split import SplitBatch, shard_packed
 from megatron_dcp.runtime.groups import DCPGroups
 
 
@@ -34,12 +35,13 @@ def last_token_marks(split: SplitBatch, index: int) -> torch.Tensor:
     """``[1, T_local]`` int64 for micro-batch ``index``: ``j + 1`` at sample ``j``'s last token
     on the rank that holds it, 0 elsewhere (padding and every other token)."""
     _check_non_empty(split.plan.seqlens)
+    microbatch = split.microbatches[index]
     marks = []
-    for sample_id, length in enumerate(split.plan.seqlens):
-        mark = torch.zeros(length, dtype=torch.int64)
+    for sample_id in microbatch.sample_ids:  # only this micro-batch's samples are laid out
+        mark = torch.zeros(split.plan.seqlens[sample_id], dtype=torch.int64)
         mark[-1] = sample_id + 1
         marks.append(mark)
-    return shard_per_token(marks, split, index)
+    return shard_packed(marks, microbatch, torch.zeros(0, dtype=torch.int64), 0)
 
 
 def last_token_mask(split: SplitBatch, index: int) -> torch.Tensor:

@@ -147,8 +147,16 @@ def shard_per_token(
     _check_values(values, split.plan.seqlens)
     microbatch = split.microbatches[index]
     kept = [values[j] for j in microbatch.sample_ids if split.plan.seqlens[j] > 0]
+    return shard_packed(kept, microbatch, values[0], fill)
+
+
+def shard_packed(
+    kept: Sequence[torch.Tensor], microbatch: RankMicroBatch, template: torch.Tensor, fill: float
+) -> torch.Tensor:
+    """This rank's share of per-token values of ``microbatch``'s own samples: ``kept``, its
+    non-empty samples' tensors in packing order, laid out like the packed tokens (``template``
+    gives the dtype and per-token shape; padding is ``fill``)."""
     bounds = microbatch.packed.cu_seqlens_padded
-    template = values[0]
     full = template.new_full((int(bounds[-1]), *template.shape[1:]), fill)
     for start, value in zip(bounds.tolist(), kept):
         full[start : start + value.shape[0]] = value
