@@ -68,7 +68,8 @@ class CudaTypeNames(TorchFunctionMode):
 
 
 def cuda_type_names(original_init: Callable) -> Callable:
-    """``DistributedOptimizer.__init__`` run under :class:`CudaTypeNames`."""
+    """An optimizer constructor (``DistributedOptimizer``, ``Float16OptimizerWithFloat16Params``)
+    run under :class:`CudaTypeNames`."""
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

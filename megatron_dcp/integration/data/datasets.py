@@ -17,6 +17,8 @@ Sources (exactly one; see ``docs/datasets.md``):
 * ``--varlen-distribution SPEC``: mock data, lengths drawn from a distribution spec parsed by
   :func:`megatron_dcp.integration.data.lengths.parse_distribution` (the simulator's syntax).
 * ``--varlen-lengths-file PATH``: mock data, lengths cycled from a file (one length a line).
+  With either mock source, ``--varlen-prompt-fraction F`` keeps the first floor(F × L) labels of
+  each sample out of the loss (a prompt, as SFT data has; at least one label stays in it).
 * ``--data-path PREFIX``: real documents from a megatron indexed dataset (``.bin``/``.idx``).
 * ``--sft-data PATH[,PATH...]``: conversations rendered with the tokenizer's chat template.
 
@@ -53,6 +55,7 @@ from megatron_dcp.integration.data.indexed import (
 from megatron_dcp.integration.data.mock import (
     DISTRIBUTION_FLAG,
     LENGTHS_FILE_FLAG,
+    PROMPT_FRACTION_FLAG,
     LengthSampler,
     VarlenMockDataset,
     lengths_from_file,
@@ -80,6 +83,7 @@ class VarlenDataConfig:
     sft_data: Optional[Union[str, Sequence[str]]] = None
     loss_on_prompt: bool = False
     skip_invalid: bool = False
+    prompt_fraction: float = 0.0
 
 
 def add_data_args(group: Any) -> None:
@@ -94,6 +98,15 @@ def add_data_args(group: Any) -> None:
         LENGTHS_FILE_FLAG,
         default=None,
         help="Mock data whose lengths are read from this file (one per line).",
+    )
+    group.add_argument(
+        PROMPT_FRACTION_FLAG,
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="Mock data: the first floor(F × L) tokens of each sample of L tokens are a prompt "
+        "outside the loss, as in SFT data (at least one token stays in the loss); F in [0, 1), "
+        "default 0: every token in the loss.",
     )
     group.add_argument(
         SFT_DATA_FLAG,
@@ -139,11 +152,37 @@ def _check_sources(config: VarlenDataConfig) -> None:
     for flag, on in sft_switches.items():
         if on and not config.sft_data:
             raise ValueError(f"{flag} applies to conversations: add {SFT_DATA_FLAG} or remove it.")
+    check_prompt_fraction(config.prompt_fraction, config.data_path, config.sft_data)
     if config.vocab_size < 2 and not (config.data_path or config.sft_data):
         raise ValueError(
             f"vocab size {config.vocab_size}: mock data needs at least 2 tokens; set "
             f"--vocab-size (or the tokenizer) to a larger vocabulary."
         )
+
+
+def check_prompt_fraction(
+    fraction: float,
+    data_path: Optional[Union[str, Sequence[str]]] = None,
+    sft_data: Optional[Union[str, Sequence[str]]] = None,
+) -> None:
+    """``--varlen-prompt-fraction`` is a share in [0, 1) (at 1 or more no token would be left to
+    the loss) and, when not 0, comes with mock data: the documents and conversations of
+    ``--data-path`` and ``--sft-data`` keep their own loss mask, and would ignore it silently.
+    Called when the datasets are built and by the entry point's start-up checks."""
+    if not 0 <= fraction < 1:  # NaN too
+        raise ValueError(
+            f"{PROMPT_FRACTION_FLAG}={fraction}: the share of each mock sample kept out of the "
+            "loss must be at least 0 and below 1; give e.g. 0.3 (0, the default, keeps every "
+            "token in the loss)."
+        )
+    real = {DATA_PATH_FLAG: data_path, SFT_DATA_FLAG: sft_data}
+    for flag, value in real.items():
+        if fraction and value:
+            raise ValueError(
+                f"{PROMPT_FRACTION_FLAG}={fraction} applies to mock data only, not to {flag} "
+                f"(whose loss mask is its own): remove {PROMPT_FRACTION_FLAG}, or {flag} to "
+                f"train on mock data ({DISTRIBUTION_FLAG} or {LENGTHS_FILE_FLAG})."
+            )
 
 
 def _mock_datasets(
@@ -153,7 +192,13 @@ def _mock_datasets(
     return tuple(
         (
             VarlenMockDataset(
-                count, lengths, config.vocab_size, config.seed, config.seq_length, name
+                count,
+                lengths,
+                config.vocab_size,
+                config.seed,
+                config.seq_length,
+                name,
+                config.prompt_fraction,
             )
             if count > 0
             else None
@@ -210,12 +255,15 @@ def build_varlen_datasets(
     chat: Optional[ChatTokenizer] = None,
     loss_on_prompt: bool = False,
     skip_invalid: bool = False,
+    prompt_fraction: float = 0.0,
 ) -> Tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
     """(train, valid, test) datasets from at most one source; None for a split of 0 samples.
 
     ``num_samples`` holds the train, valid and test sample counts. With no source given: mock data
     with lengths from :data:`DEFAULT_DISTRIBUTION`. ``split`` (default :data:`DEFAULT_SPLIT`)
     applies to ``data_path`` and ``sft_data``; ``sft_data`` needs ``chat``, the tokenizer.
+    ``prompt_fraction`` (mock data only) keeps each sample's leading floor(F × L) labels out of
+    the loss.
     """
     counts = tuple(int(count) for count in num_samples) + (0, 0, 0)
     config = VarlenDataConfig(
@@ -230,6 +278,7 @@ def build_varlen_datasets(
         sft_data,
         loss_on_prompt,
         skip_invalid,
+        prompt_fraction,
     )
     _check_sources(config)
     if config.sft_data:

@@ -1,11 +1,14 @@
 """Mock variable-length data: random tokens with per-sample lengths from a :class:`LengthSampler`,
 either a distribution spec (``--varlen-distribution``) or a lengths file
-(``--varlen-lengths-file``)."""
+(``--varlen-lengths-file``), and optionally a prompt outside the loss at the start of each sample
+(``--varlen-prompt-fraction``), as SFT data has."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional, Protocol, Tuple
 
 import numpy as np
@@ -28,6 +31,7 @@ from megatron_dcp.integration.data.samples import (
 
 DISTRIBUTION_FLAG = "--varlen-distribution"
 LENGTHS_FILE_FLAG = "--varlen-lengths-file"
+PROMPT_FRACTION_FLAG = "--varlen-prompt-fraction"
 
 
 # Probability that a mock token is its predecessor's successor (else uniform): the chain's
@@ -88,6 +92,9 @@ class VarlenMockDataset(Dataset):
     Sample ``i`` is a pure function of ``(seed, split_name, i)``; the chain's successor table
     depends on ``seed`` alone, so every split teaches the same structure. ``max_length``
     (usually ``--seq-length``) truncates longer draws. ``split`` is megatron's ``Split`` member.
+    ``prompt_fraction`` (``--varlen-prompt-fraction``) keeps the first :func:`prompt_length`
+    labels of each sample out of the loss, as SFT data keeps its prompts: so that a run on mock
+    data exercises a loss mask with zeros, not only ones. It changes no token, label or length.
     """
 
     def __init__(
@@ -98,9 +105,11 @@ class VarlenMockDataset(Dataset):
         seed: int,
         max_length: Optional[int] = None,
         split: str = "train",
+        prompt_fraction: float = 0.0,
     ) -> None:
         assert num_samples >= 0 and vocab_size >= 2, (num_samples, vocab_size)
         assert max_length is None or max_length >= 1, max_length
+        assert 0 <= prompt_fraction < 1, prompt_fraction
         self.num_samples = num_samples
         self.lengths = lengths
         self.vocab_size = vocab_size
@@ -109,6 +118,7 @@ class VarlenMockDataset(Dataset):
         self.split_name = split
         self.split = megatron_split(split)
         self.successors = successor_table(vocab_size, seed)
+        self.prompt_fraction = prompt_fraction
 
     def __len__(self) -> int:
         return self.num_samples
@@ -123,7 +133,18 @@ class VarlenMockDataset(Dataset):
     def __getitem__(self, index: int) -> Sample:
         length = self.sequence_length(index)
         rng = np.random.default_rng(stable_seed("varlen-tokens", self.seed, self.split_name, index))
-        return make_sample(torch.from_numpy(markov_tokens(rng, length + 1, self.successors)))
+        sequence = torch.from_numpy(markov_tokens(rng, length + 1, self.successors))
+        return make_sample(sequence, prompt_length(length, self.prompt_fraction))
+
+
+def prompt_length(length: int, fraction: float) -> int:
+    """The prompt (labels outside the loss) of a mock sample of ``length`` tokens:
+    floor(``fraction`` × ``length``), at most ``length`` − 1. The product is exact, on the decimal
+    the user wrote (the float's shortest repr): float arithmetic gives 0.29 × 100 = 28.999…, a
+    prompt of 28, not 29. One token always stays in the loss: a sample with none would count 0
+    tokens and teach nothing."""
+    exact = Fraction(repr(float(fraction))) * length
+    return min(math.floor(exact), max(length - 1, 0))
 
 
 def successor_table(vocab_size: int, seed: int) -> np.ndarray:

@@ -58,14 +58,18 @@ def pass_position(index: int, num_samples: int, size: int, seed: Any) -> int:
     return int(_permutation(size, seed, epoch)[position])
 
 
-def make_sample(sequence: torch.Tensor) -> Sample:
-    """The item of a sequence of L+1 tokens: inputs, next-token labels, mask and length."""
+def make_sample(sequence: torch.Tensor, prompt: int = 0) -> Sample:
+    """The item of a sequence of L+1 tokens: inputs, next-token labels, mask and length. The first
+    ``prompt`` labels are outside the loss (mock data's stand-in for an SFT prompt); 0 leaves
+    every label in it."""
     tokens, labels = sequence[:-1].clone(), sequence[1:].clone()
     length = tokens.numel()
+    loss_mask = torch.ones(length, dtype=torch.float32)
+    loss_mask[:prompt] = 0.0
     return {
         "tokens": tokens,
         "labels": labels,
-        "loss_mask": torch.ones(length, dtype=torch.float32),
+        "loss_mask": loss_mask,
         "length": torch.tensor(length, dtype=torch.int64),
     }
 

@@ -183,6 +183,16 @@ CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
         NO_CUDA,
     ),
     Patch(
+        "mixed_precision_optimizer_cpu_params",
+        "cpu_backend",
+        ("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",),
+        "The mixed-precision optimizer (--bf16/--fp16 without the distributed optimizer) accepts "
+        "only parameters whose type() is torch.cuda.*Tensor; while it is built, CPU tensors "
+        "answer their CUDA type name, so bf16/fp16 parameters get their fp32 main copies.",
+        lambda owner, original: cuda_type_names(original),
+        NO_CUDA,
+    ),
+    Patch(
         "moe_split_sizes_numpy",
         "cpu_backend",
         ("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",),

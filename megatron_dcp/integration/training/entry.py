@@ -23,7 +23,7 @@ from megatron_dcp.integration.config import DCP_FLAG, DCPConfig, add_dcp_args
 from megatron_dcp.integration.cpu.parallel import cpu_notice
 from megatron_dcp.integration.cpu.spec_refusals import check_cpu_args
 from megatron_dcp.integration.data.chat import chat_tokenizer, check_tokenizer_type
-from megatron_dcp.integration.data.datasets import build_varlen_datasets
+from megatron_dcp.integration.data.datasets import build_varlen_datasets, check_prompt_fraction
 from megatron_dcp.integration.model_checks import check_layer_kinds, check_model_config
 from megatron_dcp.integration.model_cost import describe_cost
 from megatron_dcp.integration.patches import apply_patches
@@ -134,6 +134,11 @@ def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConf
         )
     if getattr(args, "sft_data", None):
         check_tokenizer_type(args.tokenizer_type)
+    check_prompt_fraction(
+        getattr(args, "varlen_prompt_fraction", 0.0),
+        getattr(args, "data_path", None),
+        getattr(args, "sft_data", None),
+    )
     config = DCPConfig.from_args(args)
     check_domain(args, config)
     return config
@@ -172,6 +177,7 @@ def datasets_provider(train_val_test_num_samples: List[int], vp_stage: Optional[
         chat=chat,
         loss_on_prompt=args.sft_loss_on_prompt,
         skip_invalid=args.sft_skip_invalid,
+        prompt_fraction=args.varlen_prompt_fraction,
     )
 
 

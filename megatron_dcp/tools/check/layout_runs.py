@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_dcp.tools.bench_train.results import BenchResult, read_plans
 from megatron_dcp.tools.check.reordered import CHECK_ARMS, REORDERED
+from megatron_dcp.tools.check.stages import Stage
 from megatron_dcp.tools.check.tolerance import Difference
 
 WORKER = "tools.check.gradient_worker"
@@ -59,6 +60,17 @@ class LayoutResult:
     reference: List[Difference] = field(default_factory=list)  # static and DCP against it
     reference_tokens: List[str] = field(default_factory=list)  # token counts that differ from it
     reference_error: Optional[str] = None  # why the reference arm did not finish
+    stage: str = ""  # the precision stage's label ("" when the check has one stage)
+    low_precision: bool = False  # bf16/fp16: undecidable quantities go to the float32 stage
+
+    @property
+    def where(self) -> str:
+        """How the report names this run: the layout, after the stage when there are two."""
+        return f"{self.stage} {self.layout}" if self.stage else str(self.layout)
+
+    def undecided(self) -> List[Difference]:
+        """The reference comparisons whose tolerance is over the ceiling."""
+        return [d for d in self.reference if not d.decidable]
 
     def mixes(self) -> bool:
         """DCP planned at least one batch on two or more CP sizes."""
@@ -79,9 +91,9 @@ def layouts_for(nproc: int) -> List[Layout]:
     return layouts
 
 
-def run_layout(layout: Layout, flags: Sequence[str], out: Path, timeout_s: float) -> LayoutResult:
-    """Run the check's arms on ``layout`` with the training ``flags``, then the reference arm;
-    raises TrainingRunError when training fails."""
+def run_layout(layout: Layout, stage: Stage, out: Path, timeout_s: float) -> LayoutResult:
+    """Run the check's arms on ``layout`` with the ``stage``'s training flags, then the
+    reference arm; raises TrainingRunError when training fails."""
     from megatron_dcp.tools.check import reference_records
     from megatron_dcp.tools.cli.bench_train import run_bench
 
@@ -92,16 +104,12 @@ def run_layout(layout: Layout, flags: Sequence[str], out: Path, timeout_s: float
         stale.unlink()
     reference_records.clear(out)
     bench = run_bench(
-        options, CHECK_ARMS, [*flags, *layout.flags()], worker=WORKER, timeout_s=timeout_s
+        options, CHECK_ARMS, [*stage.flags, *layout.flags()], worker=WORKER, timeout_s=timeout_s
     )
     result = read_result(layout, out, bench)
-    add_reference(result, out, precision_of(flags), timeout_s)
+    result.stage, result.low_precision = stage.label, stage.low_precision
+    add_reference(result, out, stage.precision, timeout_s)
     return result
-
-
-def precision_of(flags: Sequence[str]) -> str:
-    """The run's precision, as the reference arm names it."""
-    return "bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32"
 
 
 def add_reference(result: LayoutResult, out: Path, precision: str, timeout_s: float) -> None:

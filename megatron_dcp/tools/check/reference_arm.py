@@ -114,11 +114,15 @@ def reference_pass(
     samples: Sequence[Mapping[str, torch.Tensor]],
     dtype: torch.dtype,
 ) -> tuple:
-    """One pass at ``dtype``: (summed masked loss, loss tokens, gradients by name, float64)."""
+    """One pass at ``dtype``: (summed masked loss, loss tokens, gradients by name, float64).
+    Mixed precision as megatron trains it: parameters and compute in ``dtype``, each sample's
+    gradient (in ``dtype``) added to float32 sums, as megatron's DDP adds each micro-batch's
+    gradient to its float32 ``main_grad``; the float64 pass sums in float64."""
     model = build_reference_model(description)
     load_weights(model, weights)
     to_dtype(model, dtype)
     summing = torch.float64 if dtype == torch.float64 else torch.float32
+    sums: Dict[str, torch.Tensor] = {}
     total, tokens = 0.0, 0
     for sample in samples:
         length = sample["tokens"].numel()
@@ -133,10 +137,22 @@ def reference_pass(
         mask = sample["loss_mask"].view(1, -1).to(summing)
         loss = (losses.to(summing) * mask).sum()  # the run sums its losses in float32
         loss.backward()
+        add_gradients(model, sums, summing)
         total += float(loss)
         tokens += int((sample["loss_mask"] != 0).sum())
-    grads = {name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None}
-    return total, tokens, grads
+    return total, tokens, {name: grad.double() for name, grad in sums.items()}
+
+
+def add_gradients(
+    model: torch.nn.Module, sums: Dict[str, torch.Tensor], dtype: torch.dtype
+) -> None:
+    """Add each parameter's gradient to its sum in ``dtype`` and clear it (parameters that
+    got no gradient have no sum)."""
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.to(dtype)
+            sums[name] = sums[name].add_(grad) if name in sums else grad.clone()
+            param.grad = None
 
 
 def batch_reference(

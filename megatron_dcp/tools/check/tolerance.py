@@ -11,9 +11,13 @@ precision at the quantity's largest magnitude (for a quantity whose measured rou
 vanish). Two runs each within that of the exact values are within twice it of each other.
 
 A tolerance above :data:`CEILING` of the quantity's largest magnitude cannot tell a defect from
-rounding: ``check`` then fails with "cannot decide" rather than pass on a bound that proves
-nothing (bf16 is the case to watch: its ulp is 2**-8 of a value, so a quantity whose
-reference rounding is a few ulps sits near the ceiling).
+rounding. The floor exists for quantities whose measured rounding vanished, so it must never be
+the reason a quantity cannot be decided: it is :data:`FLOOR_ULPS` ulps, but at most
+:data:`FLOOR_CAP` of the magnitude, so that twice the tolerance of a floored quantity is half the
+ceiling at any precision. In float32 the cap never binds (4 ulps is 5e-7); in bf16 (ulp 2**-7)
+and fp16 (2**-10) it does, and there a quantity is undecidable only when its *measured* rounding
+is over the ceiling. ``check`` in bf16 hands such quantities to its float32 stage
+(``tools.check.stages``); a float32 quantity that cannot be decided fails the check.
 """
 
 from __future__ import annotations
@@ -24,12 +28,20 @@ ERROR_FACTOR = 8.0
 FLOOR_ULPS = 4.0
 FLOAT32_EPS = 2.0**-23  # torch.finfo(torch.float32).eps
 CEILING = 0.05  # the largest tolerance, relative to the quantity's largest magnitude, that decides
+# The floor's largest share of the magnitude: two runs' floored tolerance is CEILING / 2.
+FLOOR_CAP = CEILING / (4 * ERROR_FACTOR)
+
+
+def floor(magnitude: float, eps: float = FLOAT32_EPS) -> float:
+    """The smallest rounding a quantity of largest magnitude ``magnitude`` is granted at a
+    precision whose ulp is ``eps``: FLOOR_ULPS ulps, capped at FLOOR_CAP of the magnitude."""
+    return min(FLOOR_ULPS * eps, FLOOR_CAP) * magnitude
 
 
 def tolerance(error: float, magnitude: float, eps: float = FLOAT32_EPS) -> float:
     """The allowed distance from the exact value of a quantity whose reference was ``error``
     away from it, its largest magnitude ``magnitude``, at a precision whose ulp is ``eps``."""
-    return ERROR_FACTOR * max(error, FLOOR_ULPS * eps * magnitude)
+    return ERROR_FACTOR * max(error, floor(magnitude, eps))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@
    megatron-core) gets one ``error:`` line with the reason, after the environment (exit 2).
 
 ``--nproc`` defaults to the GPUs, else the cores (ranks beyond the cores share them: the speed
-figure says so). On a GPU the run is bf16 with Transformer Engine.
+figure says so). On a GPU the run is bf16 with Transformer Engine. A bf16 or fp16 run (``--bf16``,
+``--fp16``, a GPU's default) is checked in two stages, its precision, then float32 for what that
+precision cannot resolve (``tools.check.stages``); the report names the stage of every finding.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.tools.cli.args import add_pass_through, given_flags, positive_int
 
@@ -108,7 +110,8 @@ def refusal(env: Dict[str, Any], nproc: int) -> Optional[str]:
     if gpus and env["transformer_engine"] is None:
         reasons.append(
             "no Transformer Engine: on a GPU the check runs DCP as it trains there, bf16 with "
-            "Transformer Engine's THD attention; pip install 'megatron-dcp[te]'"
+            "Transformer Engine's THD attention; install it with scripts/install_gpu.sh "
+            "(docs/gpu.md)"
         )
     return "; ".join(reasons) or None
 
@@ -137,35 +140,52 @@ def check(argv: Sequence[str]) -> int:
 def run_checks(
     options: argparse.Namespace, nproc: int, flags: List[str], report: Dict[str, Any]
 ) -> int:
-    """Every layout's run, its findings, the verdict line; 0 on PASS, 1 on FAIL."""
-    from megatron_dcp.tools.check.layout_runs import LayoutResult, layouts_for, run_layout
-    from megatron_dcp.tools.check.verdict import (
-        describe,
-        failures,
-        layout_json,
-        verdict_line,
-        write_json,
-    )
-    from megatron_dcp.tools.launcher import TrainingRunError
+    """Every stage's and layout's run, its findings, the verdict line; 0 on PASS, 1 on FAIL.
+    A second (float32) stage runs only when the first found nothing (``tools.check.stages``)."""
+    from megatron_dcp.tools.check.layout_runs import layouts_for
+    from megatron_dcp.tools.check.stages import stages_for
+    from megatron_dcp.tools.check.verdict import layout_json, verdict_line, write_json
 
     results, problems = [], []
-    for layout in layouts_for(nproc):
-        print(f"check: {layout} on {layout.nproc} ranks ...", flush=True)
-        try:
-            result = run_layout(layout, flags, options.out / str(layout), options.timeout)
-        except TrainingRunError as error:
-            result = LayoutResult(layout, error=str(error))
-        print(*describe(result), sep="\n", flush=True)
-        results.append(result)
-        problems += failures(result)
-    if len(results) == 1:
+    stages = stages_for(flags, on_gpu=bool(report["environment"]["devices"]["gpus"]))
+    for stage in stages:
+        if problems:
+            print(f"check: {stage.label} stage not run: the {stages[0].label} stage failed")
+            break
+        found, stage_problems = run_stage(options, nproc, stage)
+        results += found
+        problems += stage_problems
+    if len(layouts_for(nproc)) == 1:
         print(f"check: no pipeline layout: it needs 4 ranks or more (--nproc {nproc})")
     line = verdict_line(results, problems)
     report.update(layouts=[layout_json(r) for r in results], passed=not problems, verdict=line)
+    report["stages"] = [stage.precision for stage in stages]
     if options.json:
         write_json(options.json, report)
     print(line, flush=True)
     return 1 if problems else 0
+
+
+def run_stage(options: argparse.Namespace, nproc: int, stage: Any) -> Tuple[List[Any], List[str]]:
+    """Every layout's run at one stage's precision: (results, problems found)."""
+    from megatron_dcp.tools.check.layout_runs import LayoutResult, layouts_for, run_layout
+    from megatron_dcp.tools.check.verdict import describe, failures
+    from megatron_dcp.tools.launcher import TrainingRunError
+
+    results, problems = [], []
+    for layout in layouts_for(nproc):
+        label = f" ({stage.label})" if stage.label else ""
+        print(f"check: {layout}{label} on {layout.nproc} ranks ...", flush=True)
+        out = options.out / stage.label / str(layout) if stage.label else options.out / str(layout)
+        try:
+            result = run_layout(layout, stage, out, options.timeout)
+        except TrainingRunError as error:
+            result = LayoutResult(layout, error=str(error), stage=stage.label)
+            result.low_precision = stage.low_precision
+        print(*describe(result), sep="\n", flush=True)
+        results.append(result)
+        problems += failures(result)
+    return results, problems
 
 
 if __name__ == "__main__":
