@@ -80,7 +80,7 @@ toolkit_cuda_version() {
   if [ -n "${CUDA_HOME:-}" ]; then nvcc="$CUDA_HOME/bin/nvcc"
   else nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc); fi
   [ -x "$nvcc" ] || fail "no CUDA toolkit: $nvcc not found (set CUDA_HOME to the toolkit)"
-  "$nvcc" --version | sed -n 's/.*version \([0-9][0-9.]*\),.*/\1/p'
+  "$nvcc" --version | sed -n 's/.*release \([0-9][0-9.]*\),.*/\1/p'
 }
 
 torch_cuda_version() {
