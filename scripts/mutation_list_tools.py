@@ -11,9 +11,56 @@ CHECK = "megatron_dcp/tools/check/"
 CHECK_VERDICT = ("tests/unit/tools/test_check_verdict.py",)
 CHECK_COMMAND = "tests/integration/test_check_command.py"
 CHECK_PASSES = f"{CHECK_COMMAND}::test_check_passes_here_with_one_verdict_line"
-CHECK_DEFECT = f"{CHECK_COMMAND}::test_a_planted_defect_fails_the_check_through_its_numbers"
+CHECK_DEFECT = f"{CHECK_COMMAND}::test_a_planted_defect_fails_the_bf16_check_through_its_numbers"
+CHECK_STAGES = ("tests/unit/tools/test_check_stages.py",)
+CHECK_BF16_PASSES = (
+    f"{CHECK_COMMAND}::"
+    "test_check_passes_in_bf16_deciding_what_bf16_resolves_and_the_rest_in_fp32"
+)
 CHECK_LABELS = f"{CHECK_DEFECT}[labels_shifted]"
 CHECK_MUTANTS = (
+    Mutant(
+        "check-floor-uncapped",
+        CHECK + "tolerance.py",
+        "return min(FLOOR_ULPS * eps, FLOOR_CAP) * magnitude",
+        "return FLOOR_ULPS * eps * magnitude",
+        CHECK_STAGES,
+        "the floor is 4 ulps at any precision: 8 times 4 bf16 ulps is a quarter of the value, over "
+        "the ceiling, so no bf16 quantity can be decided",
+    ),
+    Mutant(
+        "check-bf16-stage-fails-what-it-defers",
+        CHECK + "verdict.py",
+        "    if undecided and not result.low_precision:",
+        "    if undecided:",
+        CHECK_STAGES,
+        "a quantity under bf16's resolution fails the bf16 stage instead of going to float32",
+    ),
+    Mutant(
+        "check-bf16-stage-decides-nothing",
+        CHECK + "verdict.py",
+        "top = worst([d for d in result.reference if d.decidable or not result.low_precision])",
+        "top = worst([d for d in result.reference if not result.low_precision])",
+        CHECK_STAGES,
+        "the bf16 stage passes every quantity, even those it can resolve",
+    ),
+    Mutant(
+        "check-fp32-stage-keeps-bf16",
+        CHECK + "stages.py",
+        "elif flag not in LOW_PRECISIONS and not",
+        "elif not",
+        CHECK_STAGES,
+        "the float32 stage runs in bf16 again: what bf16 cannot resolve is never decided",
+    ),
+    Mutant(
+        "check-reference-sums-in-bf16",
+        CHECK + "reference_arm.py",
+        "        add_gradients(model, sums, summing)",
+        "        add_gradients(model, sums, dtype)",
+        (CHECK_BF16_PASSES,),
+        "the bf16 reference sums its samples' gradients in bf16, not in float32 as megatron's "
+        "main_grad does: its measured rounding is no longer the run's",
+    ),
     Mutant(
         "check-reference-dropped-from-verdict",
         CHECK + "verdict.py",

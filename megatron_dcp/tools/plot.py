@@ -2,7 +2,7 @@
 share its column), micro-batches down, one outlined box per CP group, coloured by its per-rank
 load relative to the slowest rank of its micro-batch (1 = on the critical path, darker = idle for
 that fraction of the micro-batch), on one colour scale shared by the panels that spans every cell.
-matplotlib (Agg) is an optional extra (``pip install 'megatron-dcp[plot]'``), imported only when
+matplotlib (Agg) is optional (``pip install matplotlib``), imported only when
 drawing; without it, asking for a picture is a one-line error that says what to install."""
 
 from __future__ import annotations
@@ -127,16 +127,13 @@ def _draw_panel(ax: Any, panel: Panel, colour_of: Any) -> None:
     _set_axes(ax, panel)
 
 
-PLOT_EXTRA_HINT = "install the plot extra: pip install 'megatron-dcp[plot]' (or matplotlib)"
-
-
 def require_matplotlib(flag: str = "--plot") -> None:
     """Raise a one-line ValueError naming ``flag`` when matplotlib is not installed."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError(
-            f"{flag} draws with matplotlib, which is not installed: " f"{PLOT_EXTRA_HINT}."
+            f"{flag} draws with matplotlib, which is not installed: pip install matplotlib."
         ) from None
 
 

@@ -13,7 +13,7 @@ pytestmark = [
     pytest.mark.skipif(cuda_device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)"),
     pytest.mark.skipif(
         importlib.util.find_spec("transformer_engine") is None,
-        reason="needs Transformer Engine (the `te` extra)",
+        reason="needs Transformer Engine (scripts/install_gpu.sh)",
     ),
 ]
 

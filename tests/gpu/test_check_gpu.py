@@ -1,5 +1,5 @@
-"""``megatron-dcp check`` on GPUs. On 2 GPUs with Transformer Engine (NCCL, bf16): it passes,
-with DCP's plans mixing CP sizes. On any GPU, at world size 1: the environment report, then one
+"""``megatron-dcp check`` on GPUs. On 2 GPUs with Transformer Engine (NCCL, bf16, then the
+float32 stage): it passes, with DCP's plans mixing CP sizes. On any GPU, at world size 1: the environment report, then one
 ``error:`` line with the reason (one rank cannot mix CP sizes; and without Transformer Engine,
 that too) and exit status 2: what ``scripts/device_check.sh`` runs on one GPU. The checks run
 as subprocesses: CUDA is never initialised in the pytest process."""
@@ -34,12 +34,18 @@ def test_one_gpu_is_refused_with_one_line(tmp_path):
 
 
 @pytest.mark.skipif(cuda_device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
-@pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine (the `te` extra)")
-def test_two_gpus_pass_in_bf16_with_a_mix_of_cp_sizes(tmp_path):
+@pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine (scripts/install_gpu.sh)")
+def test_two_gpus_pass_in_bf16_then_fp32_with_a_mix_of_cp_sizes(tmp_path):
+    """The default on GPUs: a bf16 stage with Transformer Engine, then the float32 stage with
+    the reference attention (``tools.check.stages``)."""
     done = run_check(tmp_path, 2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1].startswith("megatron-dcp check: PASS")
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("megatron-dcp check: PASS: bf16: ") and "; fp32: " in last
     report = json.loads((tmp_path / "check.json").read_text())
-    assert "--bf16" in report["flags"]
-    (layout,) = report["layouts"]
-    assert any(len(sizes) > 1 for sizes in layout["cp_sizes"]["dcp"])
+    assert "--bf16" in report["flags"] and report["stages"] == ["bf16", "fp32"]
+    low, high = report["layouts"]
+    flags = high["training_flags"]
+    assert flags[flags.index("--transformer-impl") + 1] == "local" and "--bf16" not in flags
+    for layout in (low, high):
+        assert any(len(sizes) > 1 for sizes in layout["cp_sizes"]["dcp"])

@@ -230,9 +230,10 @@ def test_sourcing_the_script_runs_nothing(tmp_path):
 
 # --- what the repository tells users -----------------------------------------------------------
 
-# Install commands through names that resolve to nothing published: this package's name with the
-# te extra, and the checkout's te extra (it re-resolves megatron-core on Python 3.11).
-UNPUBLISHED = ("megatron-dcp[te]", ".[te]")
+# Install commands through names that resolve to nothing published: this package's name with an
+# extra (it is not on any index), and the checkout's te extra (it re-resolves megatron-core on
+# Python 3.11).
+UNPUBLISHED = ("megatron-dcp[", ".[te]")
 
 
 def tracked_text_files() -> List[Path]:

@@ -97,7 +97,7 @@ def clip_grad_by_total_norm_cpu(
 def cpu_notice() -> str:
     """The start-up line of a training run on the CPU backend."""
     return (
-        "megatron_dcp: no CUDA device, using the CPU backend (gloo, fp32, reference THD/CP "
-        "attention, megatron's torch fallbacks for Transformer Engine and Apex: their warnings "
-        "muted); see docs/cpu_backend.md"
+        "megatron_dcp: no CUDA device, using the CPU backend (gloo, fp32 unless --bf16/--fp16, "
+        "reference THD/CP attention, megatron's torch fallbacks for Transformer Engine and Apex: "
+        "their warnings muted); see docs/cpu_backend.md"
     )

@@ -92,7 +92,7 @@ def write_outputs(result: BenchResult, out: Path) -> None:
         plot(result, out / PNG_FILE)
         written.append(str(out / PNG_FILE))
     except ImportError:
-        print("bench-train: no picture (matplotlib is missing: pip install 'megatron-dcp[plot]')")
+        print("bench-train: no picture (matplotlib is missing: pip install matplotlib)")
     print(f"bench-train: wrote {', '.join(written)}; the training log is {out / 'train.log'}")
 
 

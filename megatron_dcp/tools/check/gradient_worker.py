@@ -39,9 +39,21 @@ REFERENCE_ARMS = ("static", "dcp")  # the arms compared with the reference arm
 
 
 def rank_gradients(model: Any) -> Dict[str, torch.Tensor]:
-    """This rank's gradient of every parameter (float64 copies), by single-process name."""
+    """This rank's gradient of every parameter (float64 copies), by single-process name, of the
+    loss itself: with fp16 megatron's ``main_grad`` holds the gradient of the loss times the
+    loss scale until the optimizer step unscales it, so it is divided by that scale here."""
     chunks = model if isinstance(model, list) else [model]
-    return {name: grad.double() for name, grad in by_global_name(chunks, True).items()}
+    scale = loss_scale(chunks[0])
+    return {name: grad.double() / scale for name, grad in by_global_name(chunks, True).items()}
+
+
+def loss_scale(model: Any) -> float:
+    """The factor the step's backward pass scaled the loss by (1 without a loss scaler): what the
+    optimizer's ``grad_scale_func`` makes of a loss of 1."""
+    from megatron.core.utils import get_model_config
+
+    scale = get_model_config(model).grad_scale_func
+    return 1.0 if scale is None else float(scale(torch.ones(1)))
 
 
 class SampleRecorder:

@@ -9,6 +9,9 @@ patch table; ``MEGATRON_DCP_CHECK_NOOP_PATCH=<entry>`` turns that entry of the t
   see it; the static arm's plan and the DCP arm's groups of 2 both carry it.
 - ``labels_shifted``: the packer shifts every sequence's labels by one token (the last comes
   first). Every plan shares it, so DCP still equals static CP: only the reference arm sees it.
+- ``loss_mask_shifted``: the packer moves every sequence's loss mask one token later (the last
+  comes first): as many loss tokens as before, but not the same ones. Every plan shares it, and
+  only data that masks tokens (check's prompts, ``--varlen-prompt-fraction``) can show it.
 - ``loss_tokens_off_by_one``: each micro-batch's loss counts one token more than it has, so the
   loss is normalised by the wrong token count. Every plan shares it.
 - ``attention_entry_scaled``: the ``attention_rope`` entry of the patch table computes its
@@ -49,12 +52,17 @@ def _chunks_swapped(original: Callable) -> Callable:
     return indices
 
 
-def _labels_shifted(original: Callable) -> Callable:
-    def pack(samples: Any, *args: Any, **kwargs: Any) -> Any:
-        shifted = [{**sample, "labels": torch.roll(sample["labels"], 1)} for sample in samples]
-        return original(shifted, *args, **kwargs)
+def _rolled(field: str) -> Callable[[Callable], Callable]:
+    """A packer that rolls ``field`` of every sample by one token (the last comes first)."""
 
-    return pack
+    def wrap(original: Callable) -> Callable:
+        def pack(samples: Any, *args: Any, **kwargs: Any) -> Any:
+            rolled = [{**sample, field: torch.roll(sample[field], 1)} for sample in samples]
+            return original(rolled, *args, **kwargs)
+
+        return pack
+
+    return wrap
 
 
 def _tokens_off_by_one(original: Callable) -> Callable:
@@ -87,17 +95,20 @@ def _entry_defect(entry_name: str, wrap: Callable[[Callable], Callable]) -> Any:
         entry.replace(owner, original)))  # fmt: skip
 
 
+# The packer, where it is defined and where the DCP wrapper imported it.
+PACKERS = (
+    "megatron_dcp.runtime.packing:pack_samples",
+    "megatron_dcp.integration.forward_backward:pack_samples",
+)
 DEFECTS: Dict[str, Callable[[], Any]] = {
     "zigzag_chunks_swapped": lambda: _module_defect(
         "zigzag_chunks_swapped",
         ("megatron_dcp.runtime.packing:local_token_indices",),
         _chunks_swapped,
     ),
-    "labels_shifted": lambda: _module_defect(
-        "labels_shifted",
-        ("megatron_dcp.runtime.packing:pack_samples",
-         "megatron_dcp.integration.forward_backward:pack_samples"),  # fmt: skip
-        _labels_shifted,
+    "labels_shifted": lambda: _module_defect("labels_shifted", PACKERS, _rolled("labels")),
+    "loss_mask_shifted": lambda: _module_defect(
+        "loss_mask_shifted", PACKERS, _rolled("loss_mask")
     ),
     "loss_tokens_off_by_one": lambda: _module_defect(
         "loss_tokens_off_by_one",

@@ -22,6 +22,7 @@ is over the ceiling. ``check`` in bf16 hands such quantities to its float32 stag
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ERROR_FACTOR = 8.0
@@ -64,6 +65,12 @@ class Difference:
         return self.runs * tolerance(self.noise, self.magnitude, self.eps)
 
     @property
+    def finite(self) -> bool:
+        """Every figure is a number: a NaN or an infinity (an overflowed fp16 gradient, say) is
+        never within a tolerance, and never left undecided."""
+        return math.isfinite(self.magnitude + self.noise + self.difference)
+
+    @property
     def relative(self) -> float:
         """The difference over the largest magnitude (0 for a quantity that is 0 throughout)."""
         return self.difference / self.magnitude if self.magnitude else self.difference
@@ -71,15 +78,20 @@ class Difference:
     @property
     def margin(self) -> float:
         """The difference as a fraction of what is allowed (≤ 1 passes)."""
+        if not self.finite:
+            return float("inf")
         if not self.allowed:
             return float("inf") if self.difference else 0.0
         return self.difference / self.allowed
 
     @property
     def passed(self) -> bool:
-        return self.difference <= self.allowed
+        return self.finite and self.difference <= self.allowed
 
     @property
     def decidable(self) -> bool:
-        """The tolerance is at most :data:`CEILING` of the largest magnitude."""
+        """The tolerance is at most :data:`CEILING` of the largest magnitude (a figure that is
+        not finite is decided: it fails)."""
+        if not self.finite:
+            return True
         return self.allowed <= CEILING * self.magnitude or not self.magnitude

@@ -66,7 +66,10 @@ def reference_failures(result: LayoutResult) -> List[str]:
             f"its magnitude, over the ceiling {CEILING:g}"
         )
     top = worst([d for d in result.reference if d.decidable or not result.low_precision])
-    if top is not None and not top.passed:
+    if top is not None and not top.finite:
+        found.append(f"{where}: {top.name} is not a number: {top.difference} from the reference "
+                     f"(largest value {top.magnitude})")  # fmt: skip
+    elif top is not None and not top.passed:
         found.append(
             f"{where}: {top.name} differs from the reference by {top.difference:.3g} "
             f"({top.relative:.2g} of its largest value {top.magnitude:.3g}), "

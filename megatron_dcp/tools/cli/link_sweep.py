@@ -57,5 +57,5 @@ def cmd_link_sweep(args: argparse.Namespace) -> int:
         plot_sweep(runs, flops, path)
         print(f"link-sweep: wrote {path}")
     except ImportError:
-        print("link-sweep: no picture (matplotlib is missing: pip install 'megatron-dcp[plot]')")
+        print("link-sweep: no picture (matplotlib is missing: pip install matplotlib)")
     return 0

@@ -1,4 +1,4 @@
-"""matplotlib is an optional extra: without it, asking for a picture is a one-line error that
+"""matplotlib is optional: without it, asking for a picture is a one-line error that
 says what to install (and nothing else needs it)."""
 
 import sys
@@ -24,8 +24,8 @@ def no_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
 
 
-def test_require_matplotlib_names_the_flag_and_the_extra(no_matplotlib):
-    with pytest.raises(ValueError, match=r"^--plot draws with matplotlib.*megatron-dcp\[plot\]"):
+def test_require_matplotlib_names_the_flag_and_the_install(no_matplotlib):
+    with pytest.raises(ValueError, match=r"^--plot draws with matplotlib.*pip install matplotlib"):
         require_matplotlib()
 
 
@@ -33,7 +33,7 @@ def test_simulate_plot_without_matplotlib_is_one_line(no_matplotlib, tmp_path, c
     argv = ["simulate", "--workload", "uniform", "--no-peer", "--plot", str(tmp_path / "p.png")]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "pip install 'megatron-dcp[plot]'" in err
+    assert len(err.splitlines()) == 1 and "pip install matplotlib" in err
     assert not (tmp_path / "p.png").exists()
 
 
