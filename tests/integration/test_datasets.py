@@ -1,4 +1,6 @@
-"""Variable-length datasets: determinism, length specs, item layout, indexed round trip, errors."""
+"""Variable-length datasets: determinism, length specs, item layout, indexed round trip, errors;
+mock data's prompt outside the loss (``--varlen-prompt-fraction``) from the datasets to the entry
+point's flag, its start-up refusals and ``estimate``."""
 
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -6,6 +8,8 @@ from typing import Dict, List, Sequence
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from megatron_dcp.integration.data.datasets import DEFAULT_DISTRIBUTION, build_varlen_datasets
@@ -302,3 +306,282 @@ def test_mock_tokens_follow_a_seeded_markov_chain():
         followed += int((torch.from_numpy(train.successors)[tokens[:-1]] == tokens[1:]).sum())
         total += len(tokens) - 1
     assert abs(followed / total - (FOLLOW + (1 - FOLLOW) / 127)) < 0.02
+
+
+# ---------------------------------------------------------------- --varlen-prompt-fraction
+
+# blake2b digests of build_varlen_datasets' samples below, recorded before --varlen-prompt-fraction
+# existed: the flag's default must leave the samples exactly as they were.
+OLD_DIGESTS = ("86195a7adff9be10be8cd1881e47031e", "768991e3833d063fd462298ea7bb7a5e")
+OLD_SAMPLES = dict(
+    seq_length=200,
+    vocab_size=128,
+    seed=3,
+    num_samples=(20, 5, 0),
+    distribution="uniform:min=1,max=300",
+)
+
+
+def digest(data, count: int) -> str:
+    """One digest of every byte (and dtype and shape) of the first ``count`` samples."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for i in range(count):
+        item = data[i]
+        for key in ("tokens", "labels", "loss_mask", "length"):
+            tensor = item[key]
+            h.update(key.encode())
+            h.update(str(tensor.dtype).encode())
+            h.update(str(tuple(tensor.shape)).encode())
+            h.update(tensor.numpy().tobytes())
+    return h.hexdigest()
+
+
+def expected_prompt(length: int, fraction: float) -> int:
+    """floor(F × L) on F as written (exact decimal arithmetic)."""
+    from decimal import Decimal
+
+    return int(Decimal(repr(fraction)) * length)
+
+
+def assert_prompt_mask(item: Dict[str, torch.Tensor], prompt: int) -> None:
+    """``loss_mask`` is ``prompt`` zeros, then ones (at least one), nothing else."""
+    length = int(item["length"])
+    assert item["loss_mask"].dtype == torch.float32 and item["loss_mask"].shape == (length,)
+    expected = torch.cat([torch.zeros(prompt), torch.ones(length - prompt)])
+    assert torch.equal(item["loss_mask"], expected), (length, prompt)
+    assert float(item["loss_mask"].sum()) >= 1
+
+
+def test_prompt_fraction_0_gives_the_old_samples_bit_for_bit():
+    """The default, and 0 given explicitly, reproduce the samples recorded before the flag."""
+    for extra in ({}, {"prompt_fraction": 0.0}):
+        train, valid, _ = build_varlen_datasets(**OLD_SAMPLES, **extra)
+        assert (digest(train, 20), digest(valid, 5)) == OLD_DIGESTS
+    masked, _, _ = build_varlen_datasets(**OLD_SAMPLES, prompt_fraction=0.5)
+    assert digest(masked, 20) != OLD_DIGESTS[0]  # the digest sees the mask
+
+
+@pytest.mark.parametrize(
+    "fraction, prompts",
+    [
+        (0.3, [3, 30, 0, 1, 38, 0]),  # floor(0.3 × 10) is 3, as written
+        (0.29, [2, 29, 0, 1, 37, 0]),  # 0.29 × 100 is 28.999… in float arithmetic: still 29
+        (0.5, [5, 50, 0, 2, 64, 1]),
+        (0.999, [9, 99, 0, 3, 127, 1]),  # floor(1.998) is 1: one label stays in the loss
+    ],
+)
+def test_the_first_floor_f_l_labels_are_outside_the_loss(tmp_path: Path, fraction, prompts):
+    """Through --varlen-lengths-file (lengths 10, 100, 1, 4, 128 (truncated from 200) and 2): the
+    mask has exactly floor(F × L) leading zeros, and at least one label in the loss."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("10\n100\n1\n4\n200\n2\n")
+    train, valid, _ = build_varlen_datasets(
+        seq_length=128,
+        vocab_size=50,
+        seed=1,
+        num_samples=(6, 6, 0),
+        lengths_file=str(path),
+        prompt_fraction=fraction,
+    )
+    for data in (train, valid):
+        assert [data.sequence_length(i) for i in range(6)] == [10, 100, 1, 4, 128, 2]
+        for i in range(6):
+            assert_prompt_mask(data[i], prompts[i])
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.9, 0.99])
+def test_prompt_fraction_changes_only_the_loss_mask(tmp_path: Path, fraction: float):
+    """Tokens, labels and lengths of every split are those of F = 0, from a distribution and from
+    a lengths file; only the mask differs."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("1\n2\n33\n300\n")
+    for source in ({"distribution": "uniform:min=1,max=300"}, {"lengths_file": str(path)}):
+        common = dict(seq_length=256, vocab_size=100, seed=4, num_samples=(12, 4, 3), **source)
+        plain = build_varlen_datasets(**common)
+        masked = build_varlen_datasets(**common, prompt_fraction=fraction)
+        for before, after in zip(plain, masked):
+            for i in range(len(before)):
+                old, new = before[i], after[i]
+                assert old.keys() == new.keys()
+                for key in ("tokens", "labels", "length"):
+                    assert torch.equal(old[key], new[key]) and old[key].dtype == new[key].dtype
+                length = int(new["length"])
+                assert_prompt_mask(new, expected_prompt(length, fraction))
+                check_item({**new, "loss_mask": torch.ones(length)}, vocab=100)
+
+
+@st.composite
+def lengths_and_fractions(draw):
+    """(L, F): any L and float F in [0, 1), or F = k/d as a user writes it with L a multiple of d,
+    where F × L is an integer that float arithmetic often misses (0.29 × 100 = 28.999…)."""
+    if draw(st.booleans()):
+        return draw(st.integers(1, 3000)), draw(st.floats(0.0, 1.0, exclude_max=True))
+    scale = draw(st.sampled_from([10, 100, 1000]))
+    return scale * draw(st.integers(1, 3)), draw(st.integers(0, scale - 1)) / scale
+
+
+@settings(max_examples=max(1, 300 * settings().max_examples // 100), deadline=None)
+@given(case=lengths_and_fractions(), seed=st.integers(0, 2**32))
+@example(case=(100, 0.29), seed=0)  # float arithmetic: 28.999…
+@example(case=(300, 0.57), seed=0)  # 170.99999999999997
+@example(case=(1, 0.9999999999999999), seed=0)  # the largest F: the one label stays
+def test_property_the_mask_is_a_floor_f_l_prompt_then_the_loss(case, seed):
+    """For any L ≥ 1 and F in [0, 1): P leading zeros then ones, P ≤ F·L < P + 1 (exactly, on F
+    as written), at least one label in the loss, and tokens and labels as at F = 0."""
+    from decimal import Decimal
+
+    from megatron_dcp.integration.data.mock import FileLengths
+
+    length, fraction = case
+    lengths = FileLengths((length,), "hypothesis")
+    item = VarlenMockDataset(1, lengths, 64, seed, prompt_fraction=fraction)[0]
+    plain = VarlenMockDataset(1, lengths, 64, seed)[0]
+    mask = item["loss_mask"]
+    prompt = int((mask == 0).sum())
+    assert torch.equal(mask, torch.cat([torch.zeros(prompt), torch.ones(length - prompt)]))
+    exact = Decimal(repr(fraction)) * length
+    assert 1 <= length - prompt and prompt <= exact < prompt + 1
+    assert torch.equal(item["tokens"], plain["tokens"])
+    assert torch.equal(item["labels"], plain["labels"])
+
+
+@pytest.mark.parametrize(
+    "fraction, shown",
+    [(-0.1, "-0.1"), (1.0, "1.0"), (1.5, "1.5"), (float("nan"), "nan"), (float("inf"), "inf")],
+)
+def test_a_prompt_fraction_outside_0_1_is_refused(fraction: float, shown: str):
+    with pytest.raises(ValueError) as error:
+        build_varlen_datasets(
+            seq_length=8, vocab_size=10, seed=0, num_samples=(1, 0, 0), prompt_fraction=fraction
+        )
+    message = str(error.value)
+    assert message.startswith(f"--varlen-prompt-fraction={shown}: ")
+    assert "at least 0 and below 1" in message and "e.g. 0.3" in message
+
+
+def test_a_prompt_fraction_with_real_data_is_refused(tmp_path: Path):
+    """--data-path and --sft-data keep their own masks: a non-zero F would be ignored silently;
+    F = 0 (the default) is no request and passes."""
+    prefix = write_indexed(tmp_path / "docs", DOCUMENTS)
+    common = dict(seq_length=8, vocab_size=100, seed=0, num_samples=(2, 0, 0))
+    real = (({"data_path": prefix}, "--data-path"), ({"sft_data": "c.jsonl"}, "--sft-data"))
+    for source, flag in real:
+        with pytest.raises(ValueError) as error:
+            build_varlen_datasets(**common, **source, prompt_fraction=0.3)
+        assert str(error.value).startswith(
+            f"--varlen-prompt-fraction=0.3 applies to mock data only, not to {flag} "
+        )
+        assert "remove --varlen-prompt-fraction" in str(error.value)
+    train, _, _ = build_varlen_datasets(**common, data_path=prefix, prompt_fraction=0.0)
+    check_item(train[0], vocab=100)
+
+
+# ---------------------------------------------------------------- the flag in the entry point
+
+
+@pytest.fixture(scope="module")
+def pretrain_gpt():
+    if not import_megatron_core():
+        pytest.skip("megatron-core not installed")
+    from megatron_dcp import pretrain_gpt
+
+    return pretrain_gpt
+
+
+@pytest.fixture
+def megatron_globals_reset():
+    """megatron's start-up sets its global arguments once per process: unset after each run."""
+    yield
+    from megatron.training.global_vars import unset_global_variables
+
+    unset_global_variables()
+
+
+def parsed(pretrain_gpt, *flags: str):
+    from argparse import ArgumentParser
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = pretrain_gpt.extra_args(["--dynamic-context-parallel", *flags])(
+        add_megatron_arguments(ArgumentParser(allow_abbrev=False))
+    )
+    return parser.parse_args()
+
+
+def test_the_flag_parses_as_a_float_with_default_0(pretrain_gpt):
+    assert parsed(pretrain_gpt).varlen_prompt_fraction == 0.0
+    assert parsed(pretrain_gpt, "--varlen-prompt-fraction", "0.25").varlen_prompt_fraction == 0.25
+
+
+@pytest.mark.parametrize(
+    "flags, start",
+    [
+        (["--varlen-prompt-fraction", "1"], "--varlen-prompt-fraction=1.0: the share"),
+        (["--varlen-prompt-fraction", "-0.5"], "--varlen-prompt-fraction=-0.5: the share"),
+        (
+            ["--varlen-prompt-fraction", "0.2", "--sft-data", "chats.jsonl"],
+            "--varlen-prompt-fraction=0.2 applies to mock data only, not to --sft-data",
+        ),
+        (
+            ["--varlen-prompt-fraction", "0.2", "--data-path", "docs"],
+            "--varlen-prompt-fraction=0.2 applies to mock data only, not to --data-path",
+        ),
+    ],
+)
+def test_the_entry_point_refuses_a_bad_fraction_at_start_up(
+    pretrain_gpt, megatron_globals_reset, capsys, flags, start
+):
+    """Before megatron builds anything: a start-up refusal, its line the last printed, exit 2
+    (with --sft-data ahead of the tokenizer's own refusal)."""
+    tiny = ["--dynamic-context-parallel", "--max-seqlen-per-dp-cp-rank", "128", "--num-layers",
+            "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "128",
+            "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size",
+            "2", "--train-iters", "1", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.start(
+            [*tiny, *flags], pretrain_gpt.check_args, pretrain_gpt.gpt_config_from_args
+        )
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith(f"error: {start}"), lines[-3:]
+
+
+def test_the_dataset_provider_passes_the_fraction(pretrain_gpt, monkeypatch):
+    """entry.datasets_provider hands megatron's --varlen-prompt-fraction to the mock datasets."""
+    from argparse import Namespace
+
+    from megatron_dcp.integration.training import entry
+
+    args = Namespace(seq_length=64, padded_vocab_size=128, vocab_size=128, seed=2,
+                     varlen_distribution="constant:value=40", varlen_lengths_file=None,
+                     data_path=None, split=None, sft_data=None, tokenizer_type="NullTokenizer",
+                     sft_loss_on_prompt=False, sft_skip_invalid=False,
+                     varlen_prompt_fraction=0.25)  # fmt: skip
+    monkeypatch.setattr(entry, "get_args", lambda: args)
+    train, _, _ = entry.datasets_provider([3, 0, 0])
+    for i in range(3):
+        assert_prompt_mask(train[i], 10)
+
+
+def test_estimate_reads_the_same_lengths_and_notes_the_flag_it_does_not_read(tmp_path: Path):
+    """megatron-dcp estimate plans lengths only: given training's flags with
+    --varlen-prompt-fraction it plans the same lengths and says it did not read the flag."""
+    import json
+
+    from megatron_dcp.tools.cli.estimate import estimate
+
+    flags = ["--cost-model", "cpu", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", "512",
+             "--max-seqlen-per-dp-cp-rank", "256", "--global-batch-size", "8", "--batches", "2",
+             "--varlen-distribution", "uniform:min=16,max=600"]  # fmt: skip
+    results = []
+    for extra in ([], ["--varlen-prompt-fraction", "0.3"]):
+        out = tmp_path / f"estimate{len(extra)}.json"
+        assert estimate([*flags, *extra, "--json", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+    plain, masked = results
+    assert plain["lengths"] == masked["lengths"] and plain["speedups"] == masked["speedups"]
+    assert "flags estimate does not read: --varlen-prompt-fraction" in masked["notes"]

@@ -139,12 +139,11 @@ class VarlenMockDataset(Dataset):
 
 def prompt_length(length: int, fraction: float) -> int:
     """The prompt (labels outside the loss) of a mock sample of ``length`` tokens:
-    floor(``fraction`` × ``length``), at most ``length`` − 1. The product is exact, on the decimal
-    the user wrote (the float's shortest repr): float arithmetic gives 0.29 × 100 = 28.999…, a
-    prompt of 28, not 29. One token always stays in the loss: a sample with none would count 0
-    tokens and teach nothing."""
-    exact = Fraction(repr(float(fraction))) * length
-    return min(math.floor(exact), max(length - 1, 0))
+    floor(``fraction`` × ``length``). The product is exact, on the decimal the user wrote (the
+    float's shortest repr): float arithmetic gives 0.29 × 100 = 28.999…, a prompt of 28, not 29.
+    A ``fraction`` below 1 (as written too: a float below 1 never reads as 1 or more) leaves at
+    least one token in the loss: a sample with none would count 0 tokens and teach nothing."""
+    return math.floor(Fraction(repr(float(fraction))) * length)
 
 
 def successor_table(vocab_size: int, seed: int) -> np.ndarray:

@@ -132,13 +132,13 @@ def check_args(args: argparse.Namespace, entry: str = "pretrain_gpt") -> DCPConf
             "turned it off): sums of per-token losses divided by the global token count are the "
             "only loss that stays right when ranks run different CP groups."
         )
-    if getattr(args, "sft_data", None):
-        check_tokenizer_type(args.tokenizer_type)
     check_prompt_fraction(
         getattr(args, "varlen_prompt_fraction", 0.0),
         getattr(args, "data_path", None),
         getattr(args, "sft_data", None),
     )
+    if getattr(args, "sft_data", None):
+        check_tokenizer_type(args.tokenizer_type)
     config = DCPConfig.from_args(args)
     check_domain(args, config)
     return config
