@@ -34,6 +34,7 @@ from megatron_dcp.integration.model_cost import predicted_step_time
 from megatron_dcp.integration.node_layout import check_ranks_per_node
 from megatron_dcp.integration.patches.cp_switching import TP_CP_GROUP_ATTRIBUTE
 from megatron_dcp.integration.patches.mtp_loss import MTP_RATIOS_ATTRIBUTE, mtp_token_ratios
+from megatron_dcp.integration.patches.pipeline_shapes import PlannedShapes, planned_shapes
 from megatron_dcp.integration.prefetch import Comm, Prefetcher, dedicated_comm
 from megatron_dcp.integration.process_groups import (
     create_dcp_groups,
@@ -44,7 +45,7 @@ from megatron_dcp.integration.process_groups import (
 from megatron_dcp.runtime.exchange import GlobalLengths, collective_device, gather_lengths
 from megatron_dcp.runtime.groups import DCPGroups
 from megatron_dcp.runtime.pack_padding import NO_PADDING, PackPadding
-from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples
+from megatron_dcp.runtime.packing import PackedMicroBatch, pack_samples, to_device
 from megatron_dcp.runtime.plan_guard import check_same_plan
 from megatron_dcp.runtime.routing import (
     ALL_TO_ALL,
@@ -145,16 +146,18 @@ class DCPForwardBackward:
             if self.prefetcher and self.prefetch_next:
                 self.prefetcher.start(iterator, count)
         set_variable_seq_lengths(model)
+        shapes = pipeline_shapes(model, batches, kwargs.get("forward_only", False))
         try:
-            return self.forward_backward_func(
-                forward_step_func=forward_step_func,
-                data_iterator=iterators_like(data_iterator, batches),
-                model=model,
-                num_microbatches=len(batches),
-                seq_length=max((b["tokens"].shape[-1] for b in batches), default=0),
-                micro_batch_size=1,
-                **kwargs,
-            )
+            with planned_shapes(shapes):
+                return self.forward_backward_func(
+                    forward_step_func=forward_step_func,
+                    data_iterator=iterators_like(data_iterator, batches),
+                    model=model,
+                    num_microbatches=len(batches),
+                    seq_length=max((b["tokens"].shape[-1] for b in batches), default=0),
+                    micro_batch_size=1,
+                    **kwargs,
+                )
         except BaseException:
             self.close()  # no background collective or thread outlives a failed step
             raise
@@ -170,7 +173,7 @@ class DCPForwardBackward:
 
     def prepare(self, samples: Sequence[Sample]) -> List[Batch]:
         """Steps 2–4 for ``samples`` on the calling thread, recorded as the batch last run."""
-        return self.publish(self.prepare_samples(samples, self.comm))
+        return self.publish(self.prepare_samples([as_sample(s) for s in samples], self.comm))
 
     def prepare_from(self, iterator: Iterator[Any], count: int, comm: Comm) -> Prepared:
         """Steps 1–4: read ``count`` samples of ``iterator`` and prepare them over ``comm``."""
@@ -179,19 +182,20 @@ class DCPForwardBackward:
     def prepare_samples(self, samples: Sequence[Sample], comm: Comm) -> Prepared:
         """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch over the
         groups of ``comm``. Samples travel on the device the domain's collectives use (the GPU
-        under NCCL, else the CPU)."""
+        under NCCL, else the CPU); every length and count is taken on the host, before the move:
+        no value of a device tensor is read per micro-batch."""
         device = collective_device(comm.domain_group)
-        samples = [{key: to_device(value, device) for key, value in s.items()} for s in samples]
         lengths = gather_lengths([sample_length(s) for s in samples], comm.dp_group)
         start = time.perf_counter()
         plan = plan_with(self.scheduler, lengths.seqlens)
         plan_time = time.perf_counter() - start
         check_same_plan(plan, comm.domain_group, step=len(self.stats) + 1)
-        routed = self.route(plan, lengths, samples, comm)
+        moved = [{key: to_device(value, device) for key, value in s.items()} for s in samples]
+        routed = self.route(plan, lengths, moved, comm)
         batches = [
             self.pack(plan, index, routed.samples, device) for index in range(plan.num_microbatches)
         ]
-        if self.mtp_depth:
+        if self.mtp_depth:  # counted on the host masks, before the move
             masks = [sample["loss_mask"] for sample in samples]
             ratios = mtp_token_ratios(masks, self.mtp_depth, comm.dp_group, device)
             for batch in batches:
@@ -226,8 +230,12 @@ class DCPForwardBackward:
         local = dict(zip(ids, samples))
         position, owner_of = self.groups.position, lengths.owner_of
         if routing_method(self.config.routing, comm.domain_group) == LANE_ALL_GATHER:
-            return route_by_lane_all_gather(plan, local, position, comm.dp_group, owner_of)
-        return route_samples(plan, local, position, comm.domain_group, owner_of)
+            return route_by_lane_all_gather(
+                plan, local, position, comm.dp_group, owner_of, schema=SAMPLE_SCHEMA
+            )
+        return route_samples(
+            plan, local, position, comm.domain_group, owner_of, schema=SAMPLE_SCHEMA
+        )
 
     def pack(
         self, plan: Plan, index: int, samples: Mapping[int, Sample], device: torch.device
@@ -275,13 +283,14 @@ def pack_group(
 
 
 def batch_of(packed: PackedMicroBatch, cp_group: Any) -> Batch:
-    """The dict a forward step receives: tensors ``[1, T_local]`` and the ``PackedSeqParams``."""
+    """The dict a forward step receives: tensors ``[1, T_local]``, this rank's loss-token count
+    (``num_tokens``, a 0-dim tensor on the pack's device) and the ``PackedSeqParams``."""
     return {
         "tokens": packed.tokens,
         "labels": packed.labels,
         "loss_mask": packed.loss_mask,
         "position_ids": packed.position_ids,
-        "num_tokens": packed.num_tokens,
+        "num_tokens": packed.loss_tokens,  # a 0-dim tensor: counted without a host read
         "packed_seq_params": packed_seq_params_of(packed, cp_group),
     }
 
@@ -302,7 +311,7 @@ def packed_seq_params_of(packed: PackedMicroBatch, cp_group: Any, dynamic: bool 
         max_seqlen_kv=packed.max_seqlen,
         local_cp_size=packed.cp_size if dynamic else None,
         cp_group=cp_group if dynamic and packed.cp_size > 1 else None,
-        total_tokens=int(packed.cu_seqlens_padded[-1]),  # Mamba's seq_idx: no state crosses
+        total_tokens=packed.total_tokens,  # Mamba's seq_idx: no state crosses
     )
 
 
@@ -324,14 +333,6 @@ def batch_stats(
         estimated_imbalance=plan_imbalance(plan, scheduler.cost_model),
         predicted_step_s=predicted_step_time(plan, scheduler.cost_model),
     )
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; a host tensor bound for a GPU goes through pinned memory
-    (an asynchronous copy on the current stream: the prefetch thread's own)."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def used_on_current_stream(batches: Sequence[Batch]) -> None:
@@ -397,11 +398,30 @@ def iterators_like(data_iterator: Any, batches: List[Batch]) -> Any:
 
 
 def set_variable_seq_lengths(model: Any) -> None:
-    """Micro-batches differ in length: the pipeline schedules must exchange tensor shapes."""
+    """Micro-batches differ in length: megatron's pipeline p2p must size each message by itself
+    (its shape exchange, which a DCP step answers from the plan: :func:`pipeline_shapes`)."""
     from megatron.core.utils import get_model_config
 
     chunks = model if isinstance(model, list) else [model]
     get_model_config(chunks[0]).variable_seq_lengths = True
+
+
+def pipeline_shapes(model: Any, batches: Sequence[Batch], forward_only: bool) -> PlannedShapes:
+    """The pipeline messages of a step over ``batches`` (``integration.patches.pipeline_shapes``):
+    their token counts are host sizes, and the stages of this rank's pipeline hold the same ones
+    (one DP×CP position), so no stage asks its neighbours."""
+    from megatron.core.utils import get_model_config
+
+    chunks = model if isinstance(model, list) else [model]
+    config = get_model_config(chunks[0])
+    return PlannedShapes(
+        local_tokens=tuple(int(batch["tokens"].shape[-1]) for batch in batches),
+        hidden_size=config.hidden_size,
+        num_chunks=len(chunks),
+        group_size=config.microbatch_group_size_per_vp_stage or 1,
+        sequence_divisor=config.tensor_model_parallel_size if config.sequence_parallel else 1,
+        forward_only=forward_only,
+    )
 
 
 def build_forward_backward(

@@ -12,12 +12,18 @@ a (loss-free) forward and backward and takes part in the collectives of its peer
 
 A :class:`~megatron_dcp.runtime.pack_padding.PackPadding` pads the whole pack further (an aligned
 or fixed local length, a fixed number of ``cu_seqlens`` entries); see that module.
+
+Packing never reads a tensor's values on the host. The samples may already live on a GPU (the
+DCP wrapper routes them there), where every such read (``int()``, ``.item()``, ``.tolist()``)
+and every plain host-to-device copy makes the host wait for the device: the layout (lengths,
+``cu_seqlens``, ``max_seqlen``, the total and local token counts, the zigzag indices) is computed
+from host integers, and host tensors reach the device by asynchronous copies (``to_device``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import List, Mapping, Sequence, Union
 
 import torch
 
@@ -34,8 +40,8 @@ class PackedMicroBatch:
     ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` are ``[1, T_local]``;
     ``position_ids`` are the positions of the local tokens inside their (padded) sequence.
     ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded`` are global (whole sequences, int32);
-    ``max_seqlen`` is the longest padded sequence; ``num_tokens`` counts this rank's tokens that
-    carry loss (loss_mask != 0).
+    ``max_seqlen`` is the longest padded sequence and ``total_tokens`` the padded tokens of the
+    whole group (``cu_seqlens_padded[-1]``): host integers, known without reading a tensor.
     """
 
     tokens: torch.Tensor
@@ -47,17 +53,40 @@ class PackedMicroBatch:
     max_seqlen: int
     cp_size: int
     cp_rank: int
-    num_tokens: int
+    total_tokens: int
 
     def to(self, device: torch.device) -> "PackedMicroBatch":
-        """The same micro-batch with its tensors on ``device`` (the model's device)."""
+        """The same micro-batch with its tensors on ``device`` (the model's device), copied
+        without a host synchronisation (:func:`to_device`)."""
         names = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded")
-        return replace(self, **{name: getattr(self, name).to(device) for name in names})
+        return replace(self, **{name: to_device(getattr(self, name), device) for name in names})
 
     @property
     def num_local_tokens(self) -> int:
         """T_local: tokens (real and padding) this rank holds."""
         return int(self.tokens.shape[1])
+
+    @property
+    def loss_tokens(self) -> torch.Tensor:
+        """This rank's tokens that carry loss (``loss_mask != 0``), as a 0-dim tensor on the
+        pack's device: counting them needs no host read."""
+        return (self.loss_mask != 0).sum()
+
+    @property
+    def num_tokens(self) -> int:
+        """:attr:`loss_tokens` as an integer. It reads the mask: free for a pack on the host, a
+        host synchronisation for one on a GPU (the DCP wrapper never asks for it)."""
+        return int(self.loss_tokens)
+
+
+def to_device(tensor: torch.Tensor, device: Union[torch.device, str]) -> torch.Tensor:
+    """``tensor`` on ``device``. A host tensor bound for a GPU goes through pinned memory as an
+    asynchronous copy on the current stream: a plain ``.to`` copies synchronously, the host
+    waiting for everything queued on the stream before it."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def padding_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
@@ -129,35 +158,47 @@ def _check_sample(index: int, sample: Sample) -> int:
 
 
 def _pad_sample(sample: Sample, length: int, padded: int) -> dict[str, torch.Tensor]:
-    """One sample's four fields padded to ``padded`` tokens (padding carries no loss)."""
+    """One sample's four fields padded to ``padded`` tokens (padding carries no loss), on the
+    sample's device."""
     extra = padded - length
     positions = sample.get("position_ids")
     if positions is None:
-        positions = torch.arange(length)
+        positions = torch.arange(length, device=sample["tokens"].device)
     return {
         "tokens": _pad(sample["tokens"].reshape(-1).long(), extra, 0),
         "labels": _pad(sample["labels"].reshape(-1).long(), extra, 0),
         "loss_mask": _pad(sample["loss_mask"].reshape(-1).float(), extra, 0),
-        "position_ids": torch.cat(
-            [positions.reshape(-1).long(), torch.arange(length, padded, dtype=torch.long)]
-        ),
+        "position_ids": _continued(positions.reshape(-1).long(), length, padded),
     }
+
+
+def _continued(positions: torch.Tensor, length: int, padded: int) -> torch.Tensor:
+    """``positions`` followed by ``length .. padded - 1`` (the padding's), on their device."""
+    tail = torch.arange(length, padded, dtype=torch.long, device=positions.device)
+    return torch.cat([positions, tail])
 
 
 def _pad(values: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
     return torch.cat([values, values.new_full((extra,), fill)])
 
 
-def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
+def _cumulative(lengths: Sequence[int]) -> List[int]:
     cumulative = [0]
     for length in lengths:
         cumulative.append(cumulative[-1] + length)
-    return torch.tensor(cumulative, dtype=torch.int32)
+    return cumulative
 
 
-def _padding_only(pad_multiple: int) -> dict[str, torch.Tensor]:
-    """The stand-in sequence of an empty group: all padding, no loss."""
-    return _pad_sample({name: torch.zeros(0) for name in FIELDS[:3]}, length=0, padded=pad_multiple)
+def _padding_only(padded: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A sequence of ``padded`` padding tokens and no real one, no loss, on ``device``: the
+    stand-in of an empty group, or a pack's dummy tail."""
+    empty = {name: torch.zeros(0, device=device) for name in FIELDS[:3]}
+    return _pad_sample(empty, length=0, padded=padded)
+
+
+def _device_of(samples: Sequence[Sample]) -> torch.device:
+    """Where the samples' tensors live (the CPU when there are none): the pack is built there."""
+    return samples[0]["tokens"].device if samples else torch.device("cpu")
 
 
 def pack_samples(
@@ -174,28 +215,33 @@ def pack_samples(
     _check_layout(cp_size, cp_rank, pad_multiple)
     lengths = [_check_sample(index, sample) for index, sample in enumerate(samples)]
     kept = [(s, n) for s, n in zip(samples, lengths) if n > 0]
+    device = _device_of([s for s, _ in kept])
     padded = [_pad_sample(s, n, padded_length(n, pad_multiple)) for s, n in kept]
     real = [n for _, n in kept]
     if not padded:
-        padded, real = [_padding_only(pad_multiple)], [0]
-    _pad_tail(padded, real, cp_size, padding)
-    cu_seqlens_padded = _cumulative([p["tokens"].numel() for p in padded])
-    local = local_token_indices(cu_seqlens_padded, cp_size, cp_rank)
-    fields = {name: torch.cat([p[name] for p in padded])[local].unsqueeze(0) for name in FIELDS}
+        padded, real = [_padding_only(pad_multiple, device)], [0]
+    _pad_tail(padded, real, cp_size, padding, device)
+    bounds = _cumulative([int(p["tokens"].numel()) for p in padded])  # host integers
+    local = local_token_indices(torch.tensor(bounds, dtype=torch.int32), cp_size, cp_rank)
+    index = to_device(local, device)
+    fields = {name: torch.cat([p[name] for p in padded])[index].unsqueeze(0) for name in FIELDS}
     return PackedMicroBatch(
         **fields,
         cu_seqlens=_fixed(_cumulative(real), padding),
-        cu_seqlens_padded=_fixed(cu_seqlens_padded, padding),
-        max_seqlen=int((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).max()),
+        cu_seqlens_padded=_fixed(bounds, padding),
+        max_seqlen=max(end - start for start, end in zip(bounds, bounds[1:])),
         cp_size=cp_size,
         cp_rank=cp_rank,
-        num_tokens=int((fields["loss_mask"] != 0).sum()),
+        total_tokens=bounds[-1],
     )
 
 
-def _pad_tail(padded: list, real: list, cp_size: int, padding: PackPadding) -> None:
+def _pad_tail(
+    padded: list, real: list, cp_size: int, padding: PackPadding, device: torch.device
+) -> None:
     """Add the tail ``padding`` asks for to the global layout (before CP slicing, so each rank
-    of the group receives ``tail / cp_size`` of it): a dummy sequence or a longer last one."""
+    of the group receives ``tail / cp_size`` of it): a dummy sequence or a longer last one, on
+    the pack's ``device``."""
     local = sum(p["tokens"].numel() for p in padded) // cp_size
     tail = (padding.local_target(local) - local) * cp_size
     if tail % (2 * cp_size if cp_size > 1 else 1):
@@ -206,20 +252,21 @@ def _pad_tail(padded: list, real: list, cp_size: int, padding: PackPadding) -> N
     if not tail:
         return
     if padding.tail_policy == "append_dummy_seq":
-        padded.append(_pad_sample({name: torch.zeros(0) for name in FIELDS[:3]}, 0, tail))
+        padded.append(_padding_only(tail, device))
         real.append(0)
     else:
         last = padded[-1]
         length = int(last["tokens"].numel())
         padded[-1] = {
             **{name: _pad(last[name], tail, 0) for name in FIELDS[:3]},
-            "position_ids": torch.cat([last["position_ids"], torch.arange(length, length + tail)]),
+            "position_ids": _continued(last["position_ids"], length, length + tail),
         }
 
 
-def _fixed(bounds: torch.Tensor, padding: PackPadding) -> torch.Tensor:
-    """``bounds`` with ``padding.max_sequences + 1`` entries (the last one repeated)."""
-    return torch.tensor(padding.fixed_entries(bounds.tolist()), dtype=torch.int32)
+def _fixed(bounds: List[int], padding: PackPadding) -> torch.Tensor:
+    """``bounds`` with ``padding.max_sequences + 1`` entries (the last one repeated), as a host
+    tensor."""
+    return torch.tensor(padding.fixed_entries(list(bounds)), dtype=torch.int32)
 
 
 def _check_layout(cp_size: int, cp_rank: int, pad_multiple: int) -> None:

@@ -5,7 +5,8 @@ Groups, applied by the functions below (each idempotent; each entry restorable):
 - ``dcp``: per-micro-batch CP switching in megatron-core (RoPE, MLA, MTP, Mamba, Gated
   DeltaNet, MoE router, TE attention), the MTP loss weighted by global token counts, and the
   per-micro-batch timer of megatron's forward and backward steps;
-- ``pipeline``: direction tags for pipeline p2p on gloo (no CUDA only);
+- ``pipeline``: the shapes of a DCP step's pipeline messages from its plan, and direction tags
+  for pipeline p2p on gloo (no CUDA only);
 - ``cpu_backend``: megatron-core on a machine without CUDA (devices, streams, RNG, MLA's local
   down projection under TP);
 - ``cpu_training``: megatron.training without CUDA (initialisation, helpers, clipping, fusions);
@@ -50,6 +51,7 @@ from megatron_dcp.integration.patches.megatron_training import TRAINING_PATCHES,
 from megatron_dcp.integration.patches.mla_attention import MLA_PATCHES
 from megatron_dcp.integration.patches.mla_tensor_parallel import MLA_TP_PATCHES
 from megatron_dcp.integration.patches.mtp_loss import MTP_PATCHES
+from megatron_dcp.integration.patches.pipeline_shapes import SHAPE_PATCHES
 from megatron_dcp.integration.patches.step_timing import TIMING_PATCHES, timed, timing_steps
 from megatron_dcp.integration.patches.table import (
     Entry,
@@ -71,6 +73,7 @@ PATCHES: Tuple[Entry, ...] = (
     *MTP_PATCHES,
     *TIMING_PATCHES,
     *PIPELINE_PATCHES,
+    *SHAPE_PATCHES,
     *UPSTREAM_PATCHES,
 )
 GROUPS = ("training", "cpu_backend", "cpu_training", "dcp", "pipeline", "upstream")
