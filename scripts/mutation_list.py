@@ -34,6 +34,7 @@ VERL_CRITIC = "tests/integration/test_verl_critic.py::"
 VERL_DISTILL = "tests/integration/test_verl_distill.py::"
 HYBRID_DCP = "tests/integration/test_dcp_hybrid.py::test_hybrid_step_equals_single_process"
 VALIDATE_TESTS = ("tests/unit/scheduling/test_plan_validate.py",)
+BF16_ORACLE = "tests/integration/test_bf16_oracle.py::"
 
 RUNTIME_MUTANTS = (
     Mutant(
@@ -71,10 +72,10 @@ RUNTIME_MUTANTS = (
     Mutant(
         "packing-num-tokens-counts-padding",
         RUNTIME + "packing.py",
-        'num_tokens=int((fields["loss_mask"] != 0).sum()),',
-        'num_tokens=int(fields["loss_mask"].numel()),',
+        "        return (self.loss_mask != 0).sum()",
+        "        return (self.loss_mask == self.loss_mask).sum()",
         PACKING_TESTS,
-        "PackedMicroBatch.num_tokens counts every local token, padding and masked ones included",
+        "PackedMicroBatch.loss_tokens counts every local token, padding and masked ones included",
     ),
     Mutant(
         "exchange-ids-of-off-by-one",
@@ -172,6 +173,14 @@ RUNTIME_MUTANTS = (
         "(position // s + 1) * s < domain_size)",
         ("tests/distributed/test_group_budget.py",),
         "communicator_budget drops the last aligned block of each size",
+    ),
+    Mutant(
+        "attention-output-compute-dtype",
+        RUNTIME + "attention.py",
+        'return torch.einsum("hqk,khd->qhd", probs, value.to(compute)).to(query.dtype)',
+        'return torch.einsum("hqk,khd->qhd", probs, value.to(compute))',
+        (f"{BF16_ORACLE}test_bf16_dcp_step_equals_single_process[dp2cp2]",),
+        "the attention output left in float32 (its compute dtype) in a bf16 model",
     ),
 )
 
@@ -329,6 +338,14 @@ PATCH_MUTANTS = (
         "if not as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:",
         ("tests/integration/test_dcp_moe.py",),
         "moe_split_sizes_numpy: numpy where megatron wants tensors, tensors where it wants numpy",
+    ),
+    Mutant(
+        "cpu-mixed-precision-optimizer-unpatched",
+        PATCHES + "cpu_backend.py",
+        'fp32 main copies.",\n        lambda owner, original: cuda_type_names(original),',
+        'fp32 main copies.",\n        lambda owner, original: original,',
+        (f"{BF16_ORACLE}test_bf16_adam_steps_equal_single_process[float16_optimizer]",),
+        "mixed_precision_optimizer_cpu_params: the optimizer refuses the CPU's bf16 parameters",
     ),
 )
 

@@ -1,9 +1,12 @@
 """A DCP training step of the tiny GPT through megatron's real pipeline schedules, as a
 ``run_distributed`` worker, with what the oracle tests compare: the global summed loss, token
-count and full gradients (see ``testing.gpt.single_process_reference``)."""
+count and full gradients (see ``testing.gpt.single_process_reference``); the same in megatron's
+bf16 mixed precision (:func:`dcp_mixed_precision_step`), and training runs of a few Adam steps
+with their single-process oracles, in float32 and in bf16."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -18,9 +21,12 @@ from megatron_dcp.scheduling import CostModel
 from megatron_dcp.testing.gpt import (
     Sample,
     TinyGPTOptions,
+    bf16_weights,
     build_tiny_gpt,
     gather_full_tensors,
     init_megatron,
+    mixed_precision_backward,
+    mixed_precision_model,
     unpacked_loss_and_backward,
 )
 from megatron_dcp.testing.overlap import (
@@ -32,13 +38,20 @@ from megatron_dcp.testing.overlap import (
     use_p2p_overlap,
 )
 from megatron_dcp.testing.plan_coverage import Layout, parallel_layout
-from megatron_dcp.testing.precision import ExactRun, exact_run, to_float64
+from megatron_dcp.testing.precision import (
+    ExactRun,
+    RanPrecision,
+    exact_run,
+    ran_precision,
+    to_float64,
+)
 
 
 @dataclass(frozen=True)
 class DCPStepResult:
     """What one rank computed, and what the step ran (``testing.plan_coverage``): the CP sizes
-    of the plan, its micro-batch count and the layout."""
+    of the plan, its micro-batch count and the layout; ``precision``: what it computed in (a
+    step through DDP: :func:`dcp_mixed_precision_step`)."""
 
     loss_sum: float
     num_tokens: int
@@ -46,6 +59,7 @@ class DCPStepResult:
     num_microbatches: int
     grads: dict[str, torch.Tensor] = field(repr=False)
     layout: Layout
+    precision: Optional[RanPrecision] = None
 
 
 def dcp_training_step(
@@ -68,8 +82,6 @@ def dcp_training_step(
     ``overlap``: its p2p settings (``testing.overlap``; a step without DDP has no others);
     ``cost_model``: what the scheduler plans with (default: the model's on this backend);
     ``pack_padding``: the padding of each rank's pack (Megatron dev's packing flags)."""
-    from megatron.core import parallel_state
-
     options = options or TinyGPTOptions()
     init_model_parallel(tp, pp, cp, vpp, options)
     apply_patches()
@@ -84,9 +96,8 @@ def dcp_training_step(
         pack_padding=pack_padding,
     )
     wrapper = build_forward_backward(chunks[0].config, dcp)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    share = len(samples) // parallel_state.get_data_parallel_world_size()
-    local = list(samples[dp_rank * share : (dp_rank + 1) * share])
+    local = local_share(samples)
+    share = len(local)
     losses = wrapper(
         forward_step_func=forward_step,
         data_iterator=[iter(local) for _ in chunks] if vpp else iter(local),
@@ -110,6 +121,67 @@ def dcp_training_step(
     )
 
 
+def local_share(samples: Sequence[Sample]) -> list[Sample]:
+    """This DP rank's share of the global batch (split evenly, in order)."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    share = len(samples) // parallel_state.get_data_parallel_world_size()
+    return list(samples[dp_rank * share : (dp_rank + 1) * share])
+
+
+def dcp_mixed_precision_step(
+    rank: int,
+    world_size: int,
+    samples: Sequence[Sample],
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    scheduler: str = "default_dynamic_cp",
+    budget: int = 64,
+    options: Optional[TinyGPTOptions] = None,
+) -> DCPStepResult:
+    """One forward-backward as megatron.training runs it with ``--bf16``: the chunks built in
+    bf16, in megatron's Float16Module and DDP with float32 gradient accumulation
+    (``grad_reduce_in_fp32``), megatron's ``finalize_model_grads`` at the end of the schedule.
+    ``grads``: the float32 ``main_grad`` afterwards, i.e. summed over DP×CP and divided by the
+    global token count (the gradient of the per-token loss: compare with the oracle's over
+    ``num_tokens``); ``precision``: what the step computed in."""
+    options = dataclasses.replace(options or TinyGPTOptions(), bf16=True)
+    init_model_parallel(tp, pp, cp, None, options)
+    apply_patches()
+    chunks = build_tiny_gpt(tp, pp, cp, options=options)
+    models = with_ddp(chunks)
+    dcp = DCPConfig.for_model(chunks[0].config, budget, scheduler=scheduler)
+    wrapper = build_forward_backward(chunks[0].config, dcp)
+    local = local_share(samples)
+    models[0].zero_grad_buffer()
+    losses = wrapper(
+        forward_step_func=forward_step,
+        data_iterator=iter(local),
+        model=models[0],
+        num_microbatches=len(local),
+        seq_length=0,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    loss_sum, num_tokens = global_loss(losses)
+    stats = wrapper.stats[-1]
+    grads = gather_full_tensors(chunks, select=main_grad, reduce_dp_cp=False)
+    wrapper.groups.destroy()
+    sizes = tuple(stats.cp_size_histogram)
+    layout = parallel_layout()
+    precision = ran_precision(models)
+    return DCPStepResult(
+        loss_sum, num_tokens, sizes, stats.num_microbatches, grads, layout, precision
+    )
+
+
+def main_grad(param: torch.Tensor) -> torch.Tensor:
+    """The gradient megatron's DDP accumulated and finalised for ``param``."""
+    return param.main_grad.detach()
+
+
 def init_model_parallel(
     tp: int, pp: int, cp: int, vpp: Optional[int], options: TinyGPTOptions
 ) -> None:
@@ -123,41 +195,68 @@ def init_model_parallel(
 # ------------------------------------------------------------------------------------------------
 
 LEARNING_RATE = 1e-2
+ADAM_EPS = 1e-8  # megatron's default
+
+
+def with_ddp(
+    chunks: Sequence[torch.nn.Module],
+    distributed_optimizer: bool = False,
+    overlap: CommOverlap = NO_OVERLAP,
+) -> list:
+    """Wrap ``chunks`` in megatron DDP (gradients summed over DP×CP: per-token loss); the
+    schedules then sync and scale gradients by the global token count. Chunks built for bf16
+    (``config.bf16``) go into megatron's Float16Module first and accumulate their gradients in
+    float32 (``grad_reduce_in_fp32``), as megatron.training's ``get_model`` does with ``--bf16``.
+    ``distributed_optimizer``: gradients reduce-scattered for a sharded optimizer.
+    ``overlap``: megatron's communication overlaps, with the schedule hooks megatron.training
+    installs for them (``testing.overlap``)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    config = chunks[0].config
+    if config.bf16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer,
+        grad_reduce_in_fp32=config.bf16,
+        **ddp_config_fields(overlap),
+    )
+    models = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    install_schedule_hooks(models, overlap)
+    return models
 
 
 def with_ddp_and_adam(
     chunks: Sequence[torch.nn.Module],
     distributed_optimizer: bool = False,
     overlap: CommOverlap = NO_OVERLAP,
+    adam_eps: float = ADAM_EPS,
 ) -> tuple[list, object]:
-    """Wrap ``chunks`` in megatron DDP (gradients summed over DP×CP: per-token loss) and build
-    megatron's Adam; the schedules then sync and scale gradients by the global token count.
-    ``distributed_optimizer``: Adam's state sharded over DP×CP (gradients reduce-scattered,
-    parameters all-gathered). ``overlap``: megatron's communication overlaps, with the schedule
-    hooks megatron.training installs for them (``testing.overlap``)."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    """:func:`with_ddp` and megatron's Adam. ``distributed_optimizer``: Adam's state sharded over
+    DP×CP (gradients reduce-scattered, parameters all-gathered). For bf16 chunks megatron's
+    mixed-precision optimizer: float32 main copies of the bf16 parameters, updated from the
+    float32 gradients and copied back (``Float16OptimizerWithFloat16Params``, or the distributed
+    optimizer's sharded main copies). ``adam_eps``: Adam's epsilon."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed_optimizer, **ddp_config_fields(overlap)
-    )
-    models = [
-        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
-        for index, chunk in enumerate(chunks)
-    ]
-    config = chunks[0].config
-    config.finalize_model_grads_func = finalize_model_grads
-    install_schedule_hooks(models, overlap)
+    models = with_ddp(chunks, distributed_optimizer, overlap)
+    bf16 = chunks[0].config.bf16
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=LEARNING_RATE,
+        adam_eps=adam_eps,
         weight_decay=0.0,
         clip_grad=0.0,
-        params_dtype=torch.float32,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=distributed_optimizer,
         overlap_param_gather=overlap.param_gather,
     )
@@ -171,12 +270,14 @@ def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class TrainingRunResult:
     """The full weights after a training run, and what it ran (``testing.plan_coverage``): the
-    CP sizes and the micro-batch count of each global batch's plan, and the layout."""
+    CP sizes and the micro-batch count of each global batch's plan, the layout and what it
+    computed in (``precision``)."""
 
     weights: dict[str, torch.Tensor] = field(repr=False)
     cp_sizes: tuple[tuple[int, ...], ...]
     num_microbatches: tuple[int, ...]
     layout: Layout
+    precision: Optional[RanPrecision] = None
 
 
 def dcp_training_run(
@@ -191,17 +292,19 @@ def dcp_training_run(
     distributed_optimizer: bool = False,
     vpp: Optional[int] = None,
     overlap: CommOverlap = NO_OVERLAP,
+    adam_eps: float = ADAM_EPS,
 ) -> TrainingRunResult:
     """``len(batches)`` DCP training steps (DDP + Adam, megatron's distributed optimizer when
-    ``distributed_optimizer``, the communication overlaps of ``overlap``); the full weights
-    afterwards and what the steps ran."""
+    ``distributed_optimizer``, the communication overlaps of ``overlap``; in bf16 mixed precision
+    with ``options.bf16``; Adam's epsilon ``adam_eps``); the full weights afterwards and what the
+    steps ran."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
     init_model_parallel(tp, pp, cp, vpp, options)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, vpp, options=options)
-    models, optimizer = with_ddp_and_adam(chunks, distributed_optimizer, overlap)
+    models, optimizer = with_ddp_and_adam(chunks, distributed_optimizer, overlap, adam_eps)
     wrapper = build_forward_backward(
         chunks[0].config, DCPConfig.for_model(chunks[0].config, budget)
     )
@@ -224,7 +327,8 @@ def dcp_training_run(
     wrapper.groups.destroy()
     sizes = tuple(tuple(stats.cp_size_histogram) for stats in wrapper.stats)
     counts = tuple(stats.num_microbatches for stats in wrapper.stats)
-    return TrainingRunResult(full_weights(chunks), sizes, counts, parallel_layout())
+    precision = ran_precision(models, optimizer)
+    return TrainingRunResult(full_weights(chunks), sizes, counts, parallel_layout(), precision)
 
 
 def reference_training_run(
@@ -248,11 +352,14 @@ def _reference_training_pass(
     batches: Sequence[Sequence[Sample]],
     options: TinyGPTOptions,
     convert: Callable[[torch.nn.Module], torch.nn.Module] = lambda model: model,
+    adam_eps: float = ADAM_EPS,
+    megatron_attention: bool = False,
 ) -> dict[str, torch.Tensor]:
     from megatron.core.distributed import finalize_model_grads
 
-    chunks = [convert(chunk) for chunk in build_tiny_gpt(options=options)]
-    models, optimizer = with_ddp_and_adam(chunks)
+    built = build_tiny_gpt(options=options, megatron_attention=megatron_attention)
+    chunks = [convert(chunk) for chunk in built]
+    models, optimizer = with_ddp_and_adam(chunks, adam_eps=adam_eps)
     for samples in batches:
         models[0].zero_grad_buffer()
         optimizer.zero_grad()
@@ -260,3 +367,63 @@ def _reference_training_pass(
         finalize_model_grads(models, num_tokens=torch.tensor(num_tokens))
         optimizer.step()
     return full_weights(chunks)
+
+
+def mixed_precision_reference_training_run(
+    rank: int,
+    world_size: int,
+    batches: Sequence[Sequence[Sample]],
+    options: TinyGPTOptions,
+    adam_eps: float = ADAM_EPS,
+) -> ExactRun:
+    """The oracle of ``dcp_training_run`` in bf16 (``options.bf16``): one process, samples one
+    by one, megatron's model with its own attention (``gpt.mixed_precision_model``), no
+    Float16Module and no mixed-precision optimizer of megatron's. The exact run: the float64 one
+    of :func:`reference_training_run`, from the bf16 starting weights. The bf16 runs (each
+    batch's samples in two orders) emulate megatron's recipe on two plain models: a bf16 copy of
+    float32 main weights computes each sample (``gpt.mixed_precision_backward``), its gradient is
+    added to the main weights' float32 ``main_grad``, megatron's float32 DDP and Adam scale and
+    apply them to the main weights, and the bf16 copy takes them up (rounded) before the next
+    batch. The bf16 copy's weights are the result: what a bf16 run's model holds."""
+    from megatron_dcp.tools.check.reference_arm import outside_runtime
+
+    init_megatron(seed=options.seed)
+    outside_runtime()  # only the CPU stand-ins of the patch table: none of DCP's entries
+    single = dataclasses.replace(options, bf16=False)
+    to_exact = lambda model: bf16_weights(model, torch.float64)  # noqa: E731
+    exact = _reference_training_pass(batches, single, to_exact, adam_eps, True)
+    no_loss = 0.0  # weights only, as in reference_training_run
+    reordered = [batch[::-1] for batch in batches]
+    runs = [
+        (no_loss, _mixed_training_pass(order, single, adam_eps)) for order in (reordered, batches)
+    ]
+    return exact_run(no_loss, exact, runs)
+
+
+def _mixed_training_pass(
+    batches: Sequence[Sequence[Sample]], options: TinyGPTOptions, adam_eps: float
+) -> dict[str, torch.Tensor]:
+    from megatron.core.distributed import finalize_model_grads
+
+    (main,) = build_tiny_gpt(options=options, megatron_attention=True)
+    main = bf16_weights(main, torch.float32)
+    models, optimizer = with_ddp_and_adam([main], adam_eps=adam_eps)
+    compute = mixed_precision_model(options, torch.bfloat16)
+    main_params = dict(main.named_parameters())
+    for samples in batches:
+        models[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        _take_up(compute, main_params)
+        sums = {name: param.main_grad for name, param in main_params.items()}
+        _, num_tokens = mixed_precision_backward(compute, samples, sums)
+        finalize_model_grads(models, num_tokens=torch.tensor(num_tokens))
+        optimizer.step()
+    _take_up(compute, main_params)
+    return full_weights([compute])
+
+
+@torch.no_grad()
+def _take_up(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """``model``'s parameters set to ``weights`` (by name), rounded to the model's dtype."""
+    for name, param in model.named_parameters():
+        param.copy_(weights[name])

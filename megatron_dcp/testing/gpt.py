@@ -32,7 +32,7 @@ from megatron_dcp.testing.moe import (
     moe_fields,
     tensor_parallel_group,
 )
-from megatron_dcp.testing.precision import ExactRun, exact_run, to_float64
+from megatron_dcp.testing.precision import ExactRun, exact_run, to_dtype, to_float64
 from megatron_dcp.tools.check.global_names import parameter_gradient, renumbered, unwrap
 from megatron_dcp.tools.local_ranks import run_distributed
 
@@ -40,7 +40,10 @@ import_megatron_core()
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 Sample = dict[str, torch.Tensor]
@@ -83,6 +86,10 @@ class TinyGPTOptions:
     # queries projected directly, else through a low-rank down/up projection.
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None
+    # megatron's bf16 mixed precision (config.bf16, bf16 params_dtype and pipeline_dtype), as
+    # megatron.training builds it; the DDP helpers (testing.dcp_step) then wrap each chunk in
+    # megatron's Float16Module. The bf16 oracle (mixed_precision_reference) runs without it.
+    bf16: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +107,10 @@ class ReferenceResult:
 def tiny_gpt_config(
     tp: int, pp: int, cp: int, vpp: Optional[int], options: TinyGPTOptions
 ) -> TransformerConfig:
-    """fp32, CPU-initialised, no dropout; variable sequence lengths per micro-batch (which needs
-    the alltoall dispatcher setting even for dense models: docs/cpu_backend.md)."""
+    """fp32 (bf16 with ``options.bf16``), CPU-initialised, no dropout; variable sequence lengths
+    per micro-batch (which needs the alltoall dispatcher setting even for dense models:
+    docs/cpu_backend.md)."""
+    dtype = torch.bfloat16 if options.bf16 else torch.float32
     return config_class(options)(
         num_layers=options.num_layers,
         hidden_size=options.hidden_size,
@@ -112,8 +121,9 @@ def tiny_gpt_config(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=options.bf16,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -147,14 +157,20 @@ def build_tiny_gpt(
     vpp: Optional[int] = None,
     mtp_layers: int = 0,
     options: Optional[TinyGPTOptions] = None,
+    megatron_attention: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual stage) of the tiny GPT, after ``init_megatron``
-    with the same layout; weights are the same in every layout (module docstring)."""
+    with the same layout; weights are the same in every layout (module docstring).
+    ``megatron_attention``: megatron's own core attention (``DotProductAttention``, sbhd only,
+    no CP) instead of the CPU backend's, for an oracle that shares no code with the runtime
+    (the dense and MoE GPT only)."""
     options = options or TinyGPTOptions()
     if mtp_layers:
         options = dataclasses.replace(options, mtp_layers=mtp_layers)
     config = tiny_gpt_config(tp, pp, cp, vpp, options)
-    chunks = [_build_chunk(config, options, stage) for stage in _vp_stages(vpp)]
+    chunks = [
+        _build_chunk(config, options, stage, megatron_attention) for stage in _vp_stages(vpp)
+    ]
     for chunk in chunks:
         mark_gdn_tp_blocks(chunk)
         init_from_global_names(chunk, options.seed)
@@ -166,12 +182,21 @@ def _vp_stages(vpp: Optional[int]) -> list[Optional[int]]:
 
 
 def _build_chunk(
-    config: TransformerConfig, options: TinyGPTOptions, stage: Optional[int]
+    config: TransformerConfig,
+    options: TinyGPTOptions,
+    stage: Optional[int],
+    megatron_attention: bool = False,
 ) -> GPTModel:
     if options.hybrid_layer_pattern:
         return build_hybrid_chunk(config, options, stage)
     ignore_virtual = stage is None
-    if options.multi_latent_attention:  # the CPU backend's own spec (MLA from local modules)
+    if megatron_attention and (options.multi_latent_attention or options.linear_attention_freq):
+        raise ValueError("megatron_attention builds the dense and MoE GPT only")
+    if megatron_attention:
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=options.num_moe_experts, moe_grouped_gemm=False
+        )
+    elif options.multi_latent_attention:  # the CPU backend's own spec (MLA from local modules)
         layer_spec = local_transformer_spec(config, stage)
     elif options.linear_attention_freq:
         layer_spec = gdn_layer_spec(config, stage)
@@ -404,6 +429,95 @@ def single_process_reference(
     """Summed loss, token count and full gradients of the tiny GPT on ``samples``, one process,
     no parallelism, no packing (run in a one-rank job so the caller's state is untouched)."""
     (result,) = run_distributed(_reference_worker, 1, list(samples), options or TinyGPTOptions())
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# The oracle of a bf16 mixed-precision run
+# ------------------------------------------------------------------------------------------------
+
+
+def bf16_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` holding the weights a bf16 run starts from (its initial values rounded to bf16,
+    as megatron's Float16Module does), computing in ``dtype``: the float64 pass then computes
+    exactly what the bf16 run approximates, not the effect of rounding the weights."""
+    return to_dtype(model.to(torch.bfloat16), dtype)
+
+
+def mixed_precision_model(options: TinyGPTOptions, dtype: torch.dtype) -> GPTModel:
+    """The oracle's model, on one rank: megatron's GPT with megatron's own attention (none of
+    this package's), holding :func:`bf16_weights`, computing in ``dtype``. In bf16 it is built
+    as megatron builds it for ``--bf16`` (``config.bf16``: e.g. its softmax then upcasts the bf16
+    scores to float32, as on a GPU); in float64 from the float32 build."""
+    bf16 = dtype == torch.bfloat16
+    (model,) = build_tiny_gpt(
+        options=dataclasses.replace(options, bf16=bf16), megatron_attention=True
+    )
+    return bf16_weights(model, dtype)
+
+
+def mixed_precision_pass(
+    samples: Sequence[Sample], options: TinyGPTOptions, dtype: torch.dtype
+) -> tuple[float, int, dict[str, torch.Tensor]]:
+    """The oracle run of :func:`mixed_precision_model` as megatron's bf16 recipe computes it
+    (:func:`mixed_precision_backward`); in float64 everything is float64. Summed loss, token
+    count and the summed gradients by global name."""
+    model = mixed_precision_model(options, dtype)
+    summing = torch.float64 if dtype == torch.float64 else torch.float32
+    sums = {name: torch.zeros_like(p, dtype=summing) for name, p in model.named_parameters()}
+    total, tokens = mixed_precision_backward(model, samples, sums)
+    names = global_parameter_names(model)
+    return total, tokens, {names[name]: grad for name, grad in sums.items()}
+
+
+def mixed_precision_backward(
+    model: torch.nn.Module, samples: Sequence[Sample], sums: dict[str, torch.Tensor]
+) -> tuple[float, int]:
+    """Every non-empty sample on its own through ``model`` (sbhd, batch 1, no padding, no CP),
+    as megatron's bf16 recipe computes: parameters and compute in the model's dtype, the loss in
+    the sums' dtype (megatron's cross entropy upcasts bf16 logits to float32), each sample's
+    gradient (in the model's dtype) added to ``sums`` (by local parameter name), as megatron's
+    DDP adds each micro-batch's gradient to its float32 ``main_grad``. Summed loss, tokens."""
+    params = dict(model.named_parameters())
+    summing = next(iter(sums.values())).dtype
+    total, tokens = 0.0, 0
+    for sample in samples:
+        if sample["tokens"].numel() == 0:
+            continue
+        losses = unpacked_token_losses(model, sample).to(summing)
+        loss = (losses * sample["loss_mask"].view(1, -1).to(summing)).sum()
+        loss.backward()
+        for name, param in params.items():
+            if param.grad is not None:
+                sums[name] += param.grad.to(summing)
+                param.grad = None
+        total += float(loss)
+        tokens += int((sample["loss_mask"] != 0).sum())
+    return total, tokens
+
+
+def _mixed_precision_worker(
+    rank: int, world_size: int, samples: Sequence[Sample], options: TinyGPTOptions
+) -> ReferenceResult:
+    from megatron_dcp.tools.check.reference_arm import outside_runtime
+
+    init_megatron(seed=options.seed)
+    outside_runtime()  # only the CPU stand-ins of the patch table: none of DCP's entries
+    exact_loss, _, exact = mixed_precision_pass(samples, options, torch.float64)
+    reordered_loss, _, reordered = mixed_precision_pass(samples[::-1], options, torch.bfloat16)
+    loss_sum, num_tokens, grads = mixed_precision_pass(samples, options, torch.bfloat16)
+    runs = [(loss_sum, grads), (reordered_loss, reordered)]
+    return ReferenceResult(loss_sum, num_tokens, grads, exact_run(exact_loss, exact, runs))
+
+
+def mixed_precision_reference(
+    samples: Sequence[Sample], options: Optional[TinyGPTOptions] = None
+) -> ReferenceResult:
+    """The oracle of a bf16 mixed-precision step (one process, no parallelism, no packing, no
+    Float16Module: megatron's model itself): the bf16 run as ``grads``; ``exact``, the same
+    samples in float64 with what the bf16 run in two sample orders differs from it by."""
+    options = options or TinyGPTOptions()
+    (result,) = run_distributed(_mixed_precision_worker, 1, list(samples), options)
     return result
 
 

@@ -1,15 +1,16 @@
 """The comparison every oracle test makes: a distributed step against the single-process run,
-with tolerances derived from the oracle's own float32 rounding on the CPU that runs it."""
+with tolerances derived from the oracle's own float32 rounding on the CPU that runs it (and, for
+bf16 mixed precision, from the bf16 oracle's own rounding: ``assert_mixed_precision_*``)."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable, List, Mapping, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_dcp.testing.dcp_step import DCPStepResult
+from megatron_dcp.testing.dcp_step import DCPStepResult, TrainingRunResult
 from megatron_dcp.testing.gpt import (
     ReferenceResult,
     Sample,
@@ -17,11 +18,18 @@ from megatron_dcp.testing.gpt import (
     make_samples,
     single_process_reference,
 )
-from megatron_dcp.testing.precision import ExactRun, largest_difference, largest_magnitude
+from megatron_dcp.testing.precision import (
+    BF16_EPS,
+    ExactRun,
+    RanPrecision,
+    largest_difference,
+    largest_magnitude,
+)
 from megatron_dcp.tools.check.tolerance import (  # noqa: F401 (FLOAT32_EPS: the tests' import)
     ERROR_FACTOR,
     FLOAT32_EPS,
     FLOOR_ULPS,
+    floor,
     tolerance,
 )
 
@@ -71,27 +79,36 @@ def assert_runs_agree(
         assert_tensor_within(name, result.grads[name], value, 2 * exact.errors[name])
 
 
-def assert_within(name: str, value: float, exact: float, error: float) -> None:
-    allowed = tolerance(error, abs(exact))
+def assert_within(
+    name: str, value: float, exact: float, error: float, eps: float = FLOAT32_EPS
+) -> None:
+    """``eps``: the ulp of the oracle's lower precision (float32; bf16: :data:`BF16_EPS`)."""
+    allowed = tolerance(error, abs(exact), eps)
     _log_margin(name, abs(value - exact), allowed)
     assert abs(value - exact) <= allowed, (
         f"{name}: {value!r} is {abs(value - exact):.3g} from the exact {exact!r}, allowed "
-        f"{allowed:.3g} ({ERROR_FACTOR:g} x the float32 oracle's own error {error:.3g})"
+        f"{allowed:.3g} ({ERROR_FACTOR:g} x the {_precision(eps)} oracle's own error {error:.3g})"
     )
 
 
 def assert_tensor_within(
-    name: str, tensor: torch.Tensor, exact: torch.Tensor, error: float
+    name: str, tensor: torch.Tensor, exact: torch.Tensor, error: float, eps: float = FLOAT32_EPS
 ) -> None:
     assert tensor.shape == exact.shape, (name, tuple(tensor.shape), tuple(exact.shape))
     distance = largest_difference(tensor, exact)
-    allowed = tolerance(error, largest_magnitude(exact))
+    magnitude = largest_magnitude(exact)
+    allowed = tolerance(error, magnitude, eps)
     _log_margin(name, distance, allowed)
     assert distance <= allowed, (
         f"{name}: largest element-wise distance {distance:.3g} from the exact (float64) oracle, "
-        f"allowed {allowed:.3g} ({ERROR_FACTOR:g} x the float32 oracle's own error "
-        f"{error:.3g}, floor {FLOOR_ULPS:g} float32 ulps of {largest_magnitude(exact):.3g})"
+        f"allowed {allowed:.3g} ({ERROR_FACTOR:g} x the {_precision(eps)} oracle's own error "
+        f"{error:.3g}, floor {floor(magnitude, eps):.3g}: {FLOOR_ULPS:g} ulps of "
+        f"{magnitude:.3g}, capped)"
     )
+
+
+def _precision(eps: float) -> str:
+    return {FLOAT32_EPS: "float32", BF16_EPS: "bf16"}.get(eps, f"eps-{eps:g}")
 
 
 def _exact(reference: ReferenceResult) -> ExactRun:
@@ -111,16 +128,19 @@ def _log_margin(name: str, distance: float, allowed: float) -> None:
             log.write(json.dumps({"test": test, "name": name, "ratio": ratio}) + "\n")
 
 
-def reference_cache(samples: Sequence[Sample]) -> Callable[[TinyGPTOptions], ReferenceResult]:
+def reference_cache(
+    samples: Sequence[Sample],
+    run: Callable[[Sequence[Sample], TinyGPTOptions], ReferenceResult] = single_process_reference,
+) -> Callable[[TinyGPTOptions], ReferenceResult]:
     """The single-process run of ``samples`` by model options, each model run once: a test
     module compares many layouts against the same few models (a module-scoped fixture holds it).
     Options that only change how the step runs (recomputation) still make a new entry, so pass
-    the model without them."""
+    the model without them. ``run``: the oracle (``gpt.mixed_precision_reference`` for bf16)."""
     cache: dict[TinyGPTOptions, ReferenceResult] = {}
 
     def reference(options: TinyGPTOptions) -> ReferenceResult:
         if options not in cache:
-            cache[options] = single_process_reference(samples, options)
+            cache[options] = run(samples, options)
         return cache[options]
 
     return reference
@@ -131,11 +151,52 @@ def adam_batches(vocab_size: int) -> List[List[Sample]]:
     return [make_samples(batch, vocab_size, seed=s) for s, batch in enumerate(ADAM_LENGTHS)]
 
 
-def assert_weights_match(weights: Mapping[str, torch.Tensor], expected: ExactRun) -> None:
+def assert_weights_match(
+    weights: Mapping[str, torch.Tensor], expected: ExactRun, eps: float = FLOAT32_EPS
+) -> None:
     """Weights after a few Adam steps within :func:`tolerance` of the float64 oracle's
     (``dcp_step.reference_training_run``). Adam turns float noise in near-zero gradients into
     full-size updates (m/√v, up to the learning rate per step); the float32 oracle's own error
-    measures that too."""
+    measures that too. ``eps``: the oracle's lower precision (bf16: the weights of a bf16 run
+    against ``dcp_step.mixed_precision_reference_training_run``)."""
     assert weights.keys() == expected.tensors.keys()
     for name, value in expected.tensors.items():
-        assert_tensor_within(name, weights[name], value, expected.errors[name])
+        assert_tensor_within(name, weights[name], value, expected.errors[name], eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# bf16 mixed precision
+# ------------------------------------------------------------------------------------------------
+
+
+def assert_mixed_precision_step_matches(result: DCPStepResult, reference: ReferenceResult) -> None:
+    """A bf16 mixed-precision step (``dcp_step.dcp_mixed_precision_step``) against the exact
+    values of ``gpt.mixed_precision_reference``: token count exact; summed loss and every float32
+    ``main_grad`` within :func:`tolerance` of them, the rounding measured on the bf16 oracle and
+    the floor in bf16 ulps. megatron's ``main_grad`` is the gradient of the per-token loss (the
+    sum over the global token count), so the oracle's sums and their rounding are divided by
+    the count first."""
+    exact = _exact(reference)
+    count = reference.num_tokens
+    assert result.num_tokens == count, (result.num_tokens, count)
+    assert result.grads.keys() == exact.tensors.keys()
+    assert_within("loss", result.loss_sum, exact.loss_sum, exact.loss_error, BF16_EPS)
+    for name, value in exact.tensors.items():
+        error = exact.errors[name] / count
+        assert_tensor_within(name, result.grads[name], value / count, error, BF16_EPS)
+
+
+def assert_ran_mixed_precision(
+    result: DCPStepResult | TrainingRunResult, optimizer: Optional[str] = None
+) -> None:
+    """The run computed in megatron's bf16 mixed precision: its model chunks were megatron's
+    Float16Module inside DDP, every parameter bf16 and every ``main_grad`` float32; with
+    ``optimizer`` (a megatron class name) that optimizer updated float32 main copies."""
+    ran: Optional[RanPrecision] = result.precision
+    assert ran is not None, "the run did not record its precision"
+    assert ran.wrappers[:2] == ("DistributedDataParallel", "Float16Module"), ran.wrappers
+    assert ran.param_dtypes == {"torch.bfloat16"}, ran.param_dtypes
+    assert ran.main_grad_dtypes == {"torch.float32"}, ran.main_grad_dtypes
+    if optimizer is not None:
+        assert ran.optimizers == {optimizer}, ran.optimizers
+        assert ran.main_param_dtypes == {"torch.float32"}, ran.main_param_dtypes
