@@ -1,14 +1,14 @@
 """A DCP training step of the tiny GPT through megatron's real pipeline schedules, as a
 ``run_distributed`` worker, with what the oracle tests compare: the global summed loss, token
 count and full gradients (see ``testing.gpt.single_process_reference``); the same in megatron's
-bf16 mixed precision (:func:`dcp_mixed_precision_step`), and training runs of a few Adam steps
-with their single-process oracles, in float32 and in bf16."""
+mixed precision, bf16 or fp16 with its loss scaler (:func:`dcp_mixed_precision_step`), and training
+runs of a few Adam steps with their single-process oracles, in float32, bf16 and fp16."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -21,13 +21,14 @@ from megatron_dcp.scheduling import CostModel
 from megatron_dcp.testing.gpt import (
     Sample,
     TinyGPTOptions,
-    bf16_weights,
     build_tiny_gpt,
     gather_full_tensors,
+    half_weights,
     init_megatron,
     mixed_precision_backward,
     mixed_precision_model,
     unpacked_loss_and_backward,
+    with_half,
 )
 from megatron_dcp.testing.overlap import (
     NO_OVERLAP,
@@ -39,9 +40,12 @@ from megatron_dcp.testing.overlap import (
 )
 from megatron_dcp.testing.plan_coverage import Layout, parallel_layout
 from megatron_dcp.testing.precision import (
+    FP16_LOSS_SCALE,
+    HALF_DTYPES,
     ExactRun,
     RanPrecision,
     exact_run,
+    loss_scale_of,
     ran_precision,
     to_float64,
 )
@@ -141,17 +145,20 @@ def dcp_mixed_precision_step(
     budget: int = 64,
     options: Optional[TinyGPTOptions] = None,
 ) -> DCPStepResult:
-    """One forward-backward as megatron.training runs it with ``--bf16``: the chunks built in
-    bf16, in megatron's Float16Module and DDP with float32 gradient accumulation
-    (``grad_reduce_in_fp32``), megatron's ``finalize_model_grads`` at the end of the schedule.
-    ``grads``: the float32 ``main_grad`` afterwards, i.e. summed over DP×CP and divided by the
-    global token count (the gradient of the per-token loss: compare with the oracle's over
-    ``num_tokens``); ``precision``: what the step computed in."""
-    options = dataclasses.replace(options or TinyGPTOptions(), bf16=True)
+    """One forward-backward as megatron.training runs it with ``--bf16`` (``--fp16``:
+    ``options.half_precision``, bf16 if none): the chunks built in the half type, in megatron's
+    Float16Module and DDP with float32 gradient accumulation (``grad_reduce_in_fp32``), the
+    mixed-precision optimizer built (not stepped) whose ``scale_loss`` the schedule scales the
+    loss by (fp16's loss scale; 1 in bf16), megatron's ``finalize_model_grads`` at the end of the
+    schedule. ``grads``: the float32 ``main_grad`` afterwards over the loss scale, i.e. summed
+    over DP×CP and divided by the global token count (the gradient of the per-token loss: compare
+    with the oracle's over ``num_tokens``); ``precision``: what the step computed in."""
+    options = with_half(options or TinyGPTOptions())
     init_model_parallel(tp, pp, cp, None, options)
     apply_patches()
     chunks = build_tiny_gpt(tp, pp, cp, options=options)
-    models = with_ddp(chunks)
+    models, optimizer = with_ddp_and_adam(chunks)
+    scale = float(optimizer.get_loss_scale())
     dcp = DCPConfig.for_model(chunks[0].config, budget, scheduler=scheduler)
     wrapper = build_forward_backward(chunks[0].config, dcp)
     local = local_share(samples)
@@ -167,11 +174,12 @@ def dcp_mixed_precision_step(
     )
     loss_sum, num_tokens = global_loss(losses)
     stats = wrapper.stats[-1]
-    grads = gather_full_tensors(chunks, select=main_grad, reduce_dp_cp=False)
+    unscaled = lambda param: main_grad(param) / scale  # noqa: E731
+    grads = gather_full_tensors(chunks, select=unscaled, reduce_dp_cp=False)
     wrapper.groups.destroy()
     sizes = tuple(stats.cp_size_histogram)
     layout = parallel_layout()
-    precision = ran_precision(models)
+    precision = ran_precision(models, optimizer)
     return DCPStepResult(
         loss_sum, num_tokens, sizes, stats.num_microbatches, grads, layout, precision
     )
@@ -204,9 +212,11 @@ def with_ddp(
     overlap: CommOverlap = NO_OVERLAP,
 ) -> list:
     """Wrap ``chunks`` in megatron DDP (gradients summed over DP×CP: per-token loss); the
-    schedules then sync and scale gradients by the global token count. Chunks built for bf16
-    (``config.bf16``) go into megatron's Float16Module first and accumulate their gradients in
-    float32 (``grad_reduce_in_fp32``), as megatron.training's ``get_model`` does with ``--bf16``.
+    schedules then sync and scale gradients by the global token count. Chunks built for bf16 or
+    fp16 (``config.bf16``, ``config.fp16``) go into megatron's Float16Module first and accumulate
+    their gradients in float32 (``grad_reduce_in_fp32``), as megatron.training's ``get_model``
+    does with ``--bf16``, and with ``--fp16 --accumulate-allreduce-grads-in-fp32`` (fp16 sums its
+    micro-batches and DP×CP ranks as bf16 does, which is what the oracle emulates).
     ``distributed_optimizer``: gradients reduce-scattered for a sharded optimizer.
     ``overlap``: megatron's communication overlaps, with the schedule hooks megatron.training
     installs for them (``testing.overlap``)."""
@@ -218,11 +228,12 @@ def with_ddp(
     from megatron.core.transformer.module import Float16Module
 
     config = chunks[0].config
-    if config.bf16:
+    half = _half_precision(config) is not None
+    if half:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=distributed_optimizer,
-        grad_reduce_in_fp32=config.bf16,
+        grad_reduce_in_fp32=half,
         **ddp_config_fields(overlap),
     )
     models = [
@@ -241,26 +252,40 @@ def with_ddp_and_adam(
     adam_eps: float = ADAM_EPS,
 ) -> tuple[list, object]:
     """:func:`with_ddp` and megatron's Adam. ``distributed_optimizer``: Adam's state sharded over
-    DP×CP (gradients reduce-scattered, parameters all-gathered). For bf16 chunks megatron's
-    mixed-precision optimizer: float32 main copies of the bf16 parameters, updated from the
-    float32 gradients and copied back (``Float16OptimizerWithFloat16Params``, or the distributed
-    optimizer's sharded main copies). ``adam_eps``: Adam's epsilon."""
+    DP×CP (gradients reduce-scattered, parameters all-gathered). For bf16 and fp16 chunks
+    megatron's mixed-precision optimizer: float32 main copies of the half parameters, updated from
+    the float32 gradients and copied back (``Float16OptimizerWithFloat16Params``, or the
+    distributed optimizer's sharded main copies); for fp16 with megatron's dynamic loss scaler
+    from :data:`~megatron_dcp.testing.precision.FP16_LOSS_SCALE`, which unscales the gradients and
+    skips a step whose gradients overflowed. As megatron.training sets it up, the optimizer's
+    ``scale_loss`` is the schedules' ``grad_scale_func`` (1 without a scaler). ``adam_eps``:
+    Adam's epsilon."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     models = with_ddp(chunks, distributed_optimizer, overlap)
-    bf16 = chunks[0].config.bf16
+    config = chunks[0].config
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=LEARNING_RATE,
         adam_eps=adam_eps,
         weight_decay=0.0,
         clip_grad=0.0,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=HALF_DTYPES.get(_half_precision(config), torch.float32),
+        loss_scale=None,  # fp16: the dynamic scaler
+        initial_loss_scale=FP16_LOSS_SCALE,
         use_distributed_optimizer=distributed_optimizer,
         overlap_param_gather=overlap.param_gather,
     )
-    return models, get_megatron_optimizer(optimizer_config, models)
+    optimizer = get_megatron_optimizer(optimizer_config, models)
+    config.grad_scale_func = optimizer.scale_loss
+    return models, optimizer
+
+
+def _half_precision(config: Any) -> Optional[str]:
+    """The half precision a megatron config computes in ("bf16", "fp16"; None: float32)."""
+    return "bf16" if config.bf16 else "fp16" if config.fp16 else None
 
 
 def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
@@ -271,13 +296,15 @@ def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
 class TrainingRunResult:
     """The full weights after a training run, and what it ran (``testing.plan_coverage``): the
     CP sizes and the micro-batch count of each global batch's plan, the layout and what it
-    computed in (``precision``)."""
+    computed in (``precision``); ``updates``: whether each optimizer step updated the weights
+    (megatron's optimizer skips a step whose fp16 gradients overflowed, and says so)."""
 
     weights: dict[str, torch.Tensor] = field(repr=False)
     cp_sizes: tuple[tuple[int, ...], ...]
     num_microbatches: tuple[int, ...]
     layout: Layout
     precision: Optional[RanPrecision] = None
+    updates: tuple[bool, ...] = ()
 
 
 def dcp_training_run(
@@ -295,9 +322,9 @@ def dcp_training_run(
     adam_eps: float = ADAM_EPS,
 ) -> TrainingRunResult:
     """``len(batches)`` DCP training steps (DDP + Adam, megatron's distributed optimizer when
-    ``distributed_optimizer``, the communication overlaps of ``overlap``; in bf16 mixed precision
-    with ``options.bf16``; Adam's epsilon ``adam_eps``); the full weights afterwards and what the
-    steps ran."""
+    ``distributed_optimizer``, the communication overlaps of ``overlap``; in megatron's mixed
+    precision with ``options.half_precision``, fp16 with its loss scaler; Adam's epsilon
+    ``adam_eps``); the full weights afterwards and what the steps ran."""
     from megatron.core import parallel_state
 
     options = options or TinyGPTOptions()
@@ -310,6 +337,7 @@ def dcp_training_run(
     )
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    updates = []
     for samples in batches:
         share = len(samples) // dp_size
         local = samples[dp_rank * share : (dp_rank + 1) * share]
@@ -322,13 +350,15 @@ def dcp_training_run(
             model=models if vpp else models[0],
             num_microbatches=share,
         )
-        optimizer.step()
+        update_successful, _, _ = optimizer.step()
+        updates.append(bool(update_successful))
     finish_param_gather(models, overlap)
     wrapper.groups.destroy()
     sizes = tuple(tuple(stats.cp_size_histogram) for stats in wrapper.stats)
     counts = tuple(stats.num_microbatches for stats in wrapper.stats)
     precision = ran_precision(models, optimizer)
-    return TrainingRunResult(full_weights(chunks), sizes, counts, parallel_layout(), precision)
+    layout = parallel_layout()
+    return TrainingRunResult(full_weights(chunks), sizes, counts, layout, precision, tuple(updates))
 
 
 def reference_training_run(
@@ -376,26 +406,29 @@ def mixed_precision_reference_training_run(
     options: TinyGPTOptions,
     adam_eps: float = ADAM_EPS,
 ) -> ExactRun:
-    """The oracle of ``dcp_training_run`` in bf16 (``options.bf16``): one process, samples one
-    by one, megatron's model with its own attention (``gpt.mixed_precision_model``), no
-    Float16Module and no mixed-precision optimizer of megatron's. The exact run: the float64 one
-    of :func:`reference_training_run`, from the bf16 starting weights. The bf16 runs (each
-    batch's samples in two orders) emulate megatron's recipe on two plain models: a bf16 copy of
-    float32 main weights computes each sample (``gpt.mixed_precision_backward``), its gradient is
-    added to the main weights' float32 ``main_grad``, megatron's float32 DDP and Adam scale and
-    apply them to the main weights, and the bf16 copy takes them up (rounded) before the next
-    batch. The bf16 copy's weights are the result: what a bf16 run's model holds."""
+    """The oracle of ``dcp_training_run`` in mixed precision (``options.half_precision``, bf16
+    if none): one process, samples one by one, megatron's model with its own attention
+    (``gpt.mixed_precision_model``), no Float16Module, no loss scaler and no mixed-precision
+    optimizer of megatron's. The exact run: the float64 one of :func:`reference_training_run`,
+    from the half starting weights. The half runs (each batch's samples in two orders) emulate
+    megatron's recipe on two plain models: a half copy of float32 main weights computes each
+    sample (``gpt.mixed_precision_backward``; in fp16 the loss scaled by the scale megatron's
+    scaler starts from, each gradient unscaled), its gradient is added to the main weights'
+    float32 ``main_grad``, megatron's float32 DDP and Adam scale and apply them to the main
+    weights, and the half copy takes them up (rounded) before the next batch. The half copy's
+    weights are the result: what a mixed-precision run's model holds."""
     from megatron_dcp.tools.check.reference_arm import outside_runtime
 
     init_megatron(seed=options.seed)
     outside_runtime()  # only the CPU stand-ins of the patch table: none of DCP's entries
-    single = dataclasses.replace(options, bf16=False)
-    to_exact = lambda model: bf16_weights(model, torch.float64)  # noqa: E731
+    options = with_half(options)
+    single = dataclasses.replace(options, half_precision=None)
+    to_exact = lambda model: half_weights(model, options.params_dtype, torch.float64)  # noqa: E731
     exact = _reference_training_pass(batches, single, to_exact, adam_eps, True)
     no_loss = 0.0  # weights only, as in reference_training_run
     reordered = [batch[::-1] for batch in batches]
     runs = [
-        (no_loss, _mixed_training_pass(order, single, adam_eps)) for order in (reordered, batches)
+        (no_loss, _mixed_training_pass(order, options, adam_eps)) for order in (reordered, batches)
     ]
     return exact_run(no_loss, exact, runs)
 
@@ -403,19 +436,23 @@ def mixed_precision_reference_training_run(
 def _mixed_training_pass(
     batches: Sequence[Sequence[Sample]], options: TinyGPTOptions, adam_eps: float
 ) -> dict[str, torch.Tensor]:
+    """One half run of :func:`mixed_precision_reference_training_run` (``options`` name the
+    half precision)."""
     from megatron.core.distributed import finalize_model_grads
 
-    (main,) = build_tiny_gpt(options=options, megatron_attention=True)
-    main = bf16_weights(main, torch.float32)
+    half = options.params_dtype
+    single = dataclasses.replace(options, half_precision=None)
+    (main,) = build_tiny_gpt(options=single, megatron_attention=True)
+    main = half_weights(main, half, torch.float32)
     models, optimizer = with_ddp_and_adam([main], adam_eps=adam_eps)
-    compute = mixed_precision_model(options, torch.bfloat16)
+    compute = mixed_precision_model(options, half)
     main_params = dict(main.named_parameters())
     for samples in batches:
         models[0].zero_grad_buffer()
         optimizer.zero_grad()
         _take_up(compute, main_params)
         sums = {name: param.main_grad for name, param in main_params.items()}
-        _, num_tokens = mixed_precision_backward(compute, samples, sums)
+        _, num_tokens = mixed_precision_backward(compute, samples, sums, loss_scale_of(half))
         finalize_model_grads(models, num_tokens=torch.tensor(num_tokens))
         optimizer.step()
     _take_up(compute, main_params)

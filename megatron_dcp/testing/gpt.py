@@ -32,7 +32,14 @@ from megatron_dcp.testing.moe import (
     moe_fields,
     tensor_parallel_group,
 )
-from megatron_dcp.testing.precision import ExactRun, exact_run, to_dtype, to_float64
+from megatron_dcp.testing.precision import (
+    HALF_DTYPES,
+    ExactRun,
+    exact_run,
+    loss_scale_of,
+    to_dtype,
+    to_float64,
+)
 from megatron_dcp.tools.check.global_names import parameter_gradient, renumbered, unwrap
 from megatron_dcp.tools.local_ranks import run_distributed
 
@@ -86,10 +93,21 @@ class TinyGPTOptions:
     # queries projected directly, else through a low-rank down/up projection.
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None
-    # megatron's bf16 mixed precision (config.bf16, bf16 params_dtype and pipeline_dtype), as
-    # megatron.training builds it; the DDP helpers (testing.dcp_step) then wrap each chunk in
-    # megatron's Float16Module. The bf16 oracle (mixed_precision_reference) runs without it.
-    bf16: bool = False
+    # megatron's mixed precision, "bf16" or "fp16" (None: float32): config.bf16 or config.fp16,
+    # params_dtype and pipeline_dtype the half type, as megatron.training builds it for --bf16
+    # or --fp16; the DDP helpers (testing.dcp_step) then wrap each chunk in megatron's
+    # Float16Module (and with fp16 the optimizer scales the loss). The mixed-precision oracle
+    # (mixed_precision_reference) reads which half it emulates from it and builds without it.
+    half_precision: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.half_precision is not None and self.half_precision not in HALF_DTYPES:
+            raise ValueError(f"half_precision {self.half_precision!r}: one of {list(HALF_DTYPES)}")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype the chunks are built in: the half type, or float32."""
+        return HALF_DTYPES.get(self.half_precision, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +125,10 @@ class ReferenceResult:
 def tiny_gpt_config(
     tp: int, pp: int, cp: int, vpp: Optional[int], options: TinyGPTOptions
 ) -> TransformerConfig:
-    """fp32 (bf16 with ``options.bf16``), CPU-initialised, no dropout; variable sequence lengths
-    per micro-batch (which needs the alltoall dispatcher setting even for dense models:
-    docs/cpu_backend.md)."""
-    dtype = torch.bfloat16 if options.bf16 else torch.float32
+    """fp32 (bf16 or fp16: ``options.half_precision``), CPU-initialised, no dropout; variable
+    sequence lengths per micro-batch (which needs the alltoall dispatcher setting even for dense
+    models: docs/cpu_backend.md)."""
+    dtype = options.params_dtype
     return config_class(options)(
         num_layers=options.num_layers,
         hidden_size=options.hidden_size,
@@ -123,7 +141,8 @@ def tiny_gpt_config(
         context_parallel_size=cp,
         pipeline_dtype=dtype,
         params_dtype=dtype,
-        bf16=options.bf16,
+        bf16=options.half_precision == "bf16",
+        fp16=options.half_precision == "fp16",
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -433,51 +452,69 @@ def single_process_reference(
 
 
 # ------------------------------------------------------------------------------------------------
-# The oracle of a bf16 mixed-precision run
+# The oracle of a mixed-precision run (bf16, or fp16 with a loss scale)
 # ------------------------------------------------------------------------------------------------
 
 
-def bf16_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``model`` holding the weights a bf16 run starts from (its initial values rounded to bf16,
-    as megatron's Float16Module does), computing in ``dtype``: the float64 pass then computes
-    exactly what the bf16 run approximates, not the effect of rounding the weights."""
-    return to_dtype(model.to(torch.bfloat16), dtype)
+def with_half(options: TinyGPTOptions) -> TinyGPTOptions:
+    """``options`` naming the half precision of a mixed-precision run: their own, or bf16 for
+    options that name none (the mixed-precision step and oracle take plain model options)."""
+    if options.half_precision:
+        return options
+    return dataclasses.replace(options, half_precision="bf16")
+
+
+def half_weights(model: torch.nn.Module, half: torch.dtype, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` holding the weights a run in ``half`` starts from (its initial values rounded to
+    ``half``, as megatron's Float16Module does), computing in ``dtype``: the float64 pass then
+    computes exactly what the half run approximates, not the effect of rounding the weights."""
+    return to_dtype(model.to(half), dtype)
 
 
 def mixed_precision_model(options: TinyGPTOptions, dtype: torch.dtype) -> GPTModel:
     """The oracle's model, on one rank: megatron's GPT with megatron's own attention (none of
-    this package's), holding :func:`bf16_weights`, computing in ``dtype``. In bf16 it is built
-    as megatron builds it for ``--bf16`` (``config.bf16``: e.g. its softmax then upcasts the bf16
-    scores to float32, as on a GPU); in float64 from the float32 build."""
-    bf16 = dtype == torch.bfloat16
-    (model,) = build_tiny_gpt(
-        options=dataclasses.replace(options, bf16=bf16), megatron_attention=True
-    )
-    return bf16_weights(model, dtype)
+    this package's), holding :func:`half_weights` of ``options``' half precision
+    (:func:`with_half`), computing in ``dtype``. In the half type it is built as megatron builds
+    it for ``--bf16`` or ``--fp16`` (``config.bf16``/``config.fp16``: e.g. its softmax then
+    upcasts the half scores to float32, as on a GPU); in float64 and float32 from the float32
+    build."""
+    options = with_half(options)
+    half = options.params_dtype
+    built = options if dtype == half else dataclasses.replace(options, half_precision=None)
+    (model,) = build_tiny_gpt(options=built, megatron_attention=True)
+    return half_weights(model, half, dtype)
 
 
 def mixed_precision_pass(
     samples: Sequence[Sample], options: TinyGPTOptions, dtype: torch.dtype
 ) -> tuple[float, int, dict[str, torch.Tensor]]:
-    """The oracle run of :func:`mixed_precision_model` as megatron's bf16 recipe computes it
-    (:func:`mixed_precision_backward`); in float64 everything is float64. Summed loss, token
-    count and the summed gradients by global name."""
+    """The oracle run of :func:`mixed_precision_model` as megatron's mixed-precision recipe
+    computes it (:func:`mixed_precision_backward`; in fp16 with the loss scale megatron's run
+    starts from: ``precision.loss_scale_of``); in float64 everything is float64. Summed loss,
+    token count and the summed gradients (of the loss, unscaled) by global name."""
     model = mixed_precision_model(options, dtype)
     summing = torch.float64 if dtype == torch.float64 else torch.float32
     sums = {name: torch.zeros_like(p, dtype=summing) for name, p in model.named_parameters()}
-    total, tokens = mixed_precision_backward(model, samples, sums)
+    total, tokens = mixed_precision_backward(model, samples, sums, loss_scale_of(dtype))
     names = global_parameter_names(model)
     return total, tokens, {names[name]: grad for name, grad in sums.items()}
 
 
 def mixed_precision_backward(
-    model: torch.nn.Module, samples: Sequence[Sample], sums: dict[str, torch.Tensor]
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    sums: dict[str, torch.Tensor],
+    loss_scale: float = 1.0,
 ) -> tuple[float, int]:
     """Every non-empty sample on its own through ``model`` (sbhd, batch 1, no padding, no CP),
-    as megatron's bf16 recipe computes: parameters and compute in the model's dtype, the loss in
-    the sums' dtype (megatron's cross entropy upcasts bf16 logits to float32), each sample's
-    gradient (in the model's dtype) added to ``sums`` (by local parameter name), as megatron's
-    DDP adds each micro-batch's gradient to its float32 ``main_grad``. Summed loss, tokens."""
+    as megatron's mixed-precision recipe computes: parameters and compute in the model's dtype,
+    the loss in the sums' dtype (megatron's cross entropy upcasts half logits to float32), each
+    sample's gradient (in the model's dtype) added to ``sums`` (by local parameter name), as
+    megatron's DDP adds each micro-batch's gradient to its float32 ``main_grad``. fp16's
+    ``loss_scale``: the loss multiplied by it before backward, so that small gradients stay
+    above fp16's subnormals as megatron's loss scaler keeps them, and each sample's gradient
+    divided by it as it is added (megatron unscales the float32 sum: the same for a power of
+    two). Summed loss (unscaled) and token count."""
     params = dict(model.named_parameters())
     summing = next(iter(sums.values())).dtype
     total, tokens = 0.0, 0
@@ -486,10 +523,10 @@ def mixed_precision_backward(
             continue
         losses = unpacked_token_losses(model, sample).to(summing)
         loss = (losses * sample["loss_mask"].view(1, -1).to(summing)).sum()
-        loss.backward()
+        (loss * loss_scale).backward()
         for name, param in params.items():
             if param.grad is not None:
-                sums[name] += param.grad.to(summing)
+                sums[name] += param.grad.to(summing) / loss_scale
                 param.grad = None
         total += float(loss)
         tokens += int((sample["loss_mask"] != 0).sum())
@@ -503,9 +540,10 @@ def _mixed_precision_worker(
 
     init_megatron(seed=options.seed)
     outside_runtime()  # only the CPU stand-ins of the patch table: none of DCP's entries
+    half = with_half(options).params_dtype
     exact_loss, _, exact = mixed_precision_pass(samples, options, torch.float64)
-    reordered_loss, _, reordered = mixed_precision_pass(samples[::-1], options, torch.bfloat16)
-    loss_sum, num_tokens, grads = mixed_precision_pass(samples, options, torch.bfloat16)
+    reordered_loss, _, reordered = mixed_precision_pass(samples[::-1], options, half)
+    loss_sum, num_tokens, grads = mixed_precision_pass(samples, options, half)
     runs = [(loss_sum, grads), (reordered_loss, reordered)]
     return ReferenceResult(loss_sum, num_tokens, grads, exact_run(exact_loss, exact, runs))
 
@@ -513,9 +551,10 @@ def _mixed_precision_worker(
 def mixed_precision_reference(
     samples: Sequence[Sample], options: Optional[TinyGPTOptions] = None
 ) -> ReferenceResult:
-    """The oracle of a bf16 mixed-precision step (one process, no parallelism, no packing, no
-    Float16Module: megatron's model itself): the bf16 run as ``grads``; ``exact``, the same
-    samples in float64 with what the bf16 run in two sample orders differs from it by."""
+    """The oracle of a mixed-precision step in ``options``' half precision (bf16 if none; one
+    process, no parallelism, no packing, no Float16Module and no loss scaler of megatron's:
+    megatron's model itself): the half run as ``grads``; ``exact``, the same samples in float64
+    with what the half run in two sample orders differs from it by."""
     options = options or TinyGPTOptions()
     (result,) = run_distributed(_mixed_precision_worker, 1, list(samples), options)
     return result

@@ -1,6 +1,7 @@
 """The comparison every oracle test makes: a distributed step against the single-process run,
 with tolerances derived from the oracle's own float32 rounding on the CPU that runs it (and, for
-bf16 mixed precision, from the bf16 oracle's own rounding: ``assert_mixed_precision_*``)."""
+bf16 or fp16 mixed precision, from the mixed-precision oracle's own rounding:
+``assert_mixed_precision_*``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from megatron_dcp.testing.gpt import (
 )
 from megatron_dcp.testing.precision import (
     BF16_EPS,
+    FP16_EPS,
+    FP16_LOSS_SCALE,
+    HALF_DTYPES,
     ExactRun,
     RanPrecision,
     largest_difference,
@@ -82,7 +86,8 @@ def assert_runs_agree(
 def assert_within(
     name: str, value: float, exact: float, error: float, eps: float = FLOAT32_EPS
 ) -> None:
-    """``eps``: the ulp of the oracle's lower precision (float32; bf16: :data:`BF16_EPS`)."""
+    """``eps``: the ulp of the oracle's lower precision (float32; bf16: :data:`BF16_EPS`; fp16:
+    :data:`FP16_EPS`)."""
     allowed = tolerance(error, abs(exact), eps)
     _log_margin(name, abs(value - exact), allowed)
     assert abs(value - exact) <= allowed, (
@@ -108,7 +113,7 @@ def assert_tensor_within(
 
 
 def _precision(eps: float) -> str:
-    return {FLOAT32_EPS: "float32", BF16_EPS: "bf16"}.get(eps, f"eps-{eps:g}")
+    return {FLOAT32_EPS: "float32", BF16_EPS: "bf16", FP16_EPS: "fp16"}.get(eps, f"eps-{eps:g}")
 
 
 def _exact(reference: ReferenceResult) -> ExactRun:
@@ -157,46 +162,54 @@ def assert_weights_match(
     """Weights after a few Adam steps within :func:`tolerance` of the float64 oracle's
     (``dcp_step.reference_training_run``). Adam turns float noise in near-zero gradients into
     full-size updates (m/√v, up to the learning rate per step); the float32 oracle's own error
-    measures that too. ``eps``: the oracle's lower precision (bf16: the weights of a bf16 run
-    against ``dcp_step.mixed_precision_reference_training_run``)."""
+    measures that too. ``eps``: the oracle's lower precision (bf16, fp16: the weights of a
+    mixed-precision run against ``dcp_step.mixed_precision_reference_training_run``)."""
     assert weights.keys() == expected.tensors.keys()
     for name, value in expected.tensors.items():
         assert_tensor_within(name, weights[name], value, expected.errors[name], eps)
 
 
 # ------------------------------------------------------------------------------------------------
-# bf16 mixed precision
+# Mixed precision: bf16, fp16 with its loss scaler
 # ------------------------------------------------------------------------------------------------
 
 
-def assert_mixed_precision_step_matches(result: DCPStepResult, reference: ReferenceResult) -> None:
-    """A bf16 mixed-precision step (``dcp_step.dcp_mixed_precision_step``) against the exact
-    values of ``gpt.mixed_precision_reference``: token count exact; summed loss and every float32
-    ``main_grad`` within :func:`tolerance` of them, the rounding measured on the bf16 oracle and
-    the floor in bf16 ulps. megatron's ``main_grad`` is the gradient of the per-token loss (the
-    sum over the global token count), so the oracle's sums and their rounding are divided by
-    the count first."""
+def assert_mixed_precision_step_matches(
+    result: DCPStepResult, reference: ReferenceResult, eps: float = BF16_EPS
+) -> None:
+    """A mixed-precision step (``dcp_step.dcp_mixed_precision_step``) against the exact values
+    of ``gpt.mixed_precision_reference``: token count exact; summed loss and every float32
+    ``main_grad`` (unscaled) within :func:`tolerance` of them, the rounding measured on the
+    mixed-precision oracle and the floor in ulps of ``eps`` (bf16's; fp16: :data:`FP16_EPS`).
+    megatron's ``main_grad`` is the gradient of the per-token loss (the sum over the global token
+    count), so the oracle's sums and their rounding are divided by the count first."""
     exact = _exact(reference)
     count = reference.num_tokens
     assert result.num_tokens == count, (result.num_tokens, count)
     assert result.grads.keys() == exact.tensors.keys()
-    assert_within("loss", result.loss_sum, exact.loss_sum, exact.loss_error, BF16_EPS)
+    assert_within("loss", result.loss_sum, exact.loss_sum, exact.loss_error, eps)
     for name, value in exact.tensors.items():
         error = exact.errors[name] / count
-        assert_tensor_within(name, result.grads[name], value / count, error, BF16_EPS)
+        assert_tensor_within(name, result.grads[name], value / count, error, eps)
 
 
 def assert_ran_mixed_precision(
-    result: DCPStepResult | TrainingRunResult, optimizer: Optional[str] = None
+    result: DCPStepResult | TrainingRunResult,
+    optimizer: Optional[str] = None,
+    half_precision: str = "bf16",
 ) -> None:
-    """The run computed in megatron's bf16 mixed precision: its model chunks were megatron's
-    Float16Module inside DDP, every parameter bf16 and every ``main_grad`` float32; with
-    ``optimizer`` (a megatron class name) that optimizer updated float32 main copies."""
+    """The run computed in megatron's mixed precision in ``half_precision``: its model chunks
+    were megatron's Float16Module inside DDP, every parameter of the half type and every
+    ``main_grad`` float32; its loss scaler megatron's dynamic one at :data:`FP16_LOSS_SCALE` in
+    fp16 (still there after the run: no scale-down), none in bf16; with ``optimizer`` (a
+    megatron class name) that optimizer updated float32 main copies."""
     ran: Optional[RanPrecision] = result.precision
     assert ran is not None, "the run did not record its precision"
     assert ran.wrappers[:2] == ("DistributedDataParallel", "Float16Module"), ran.wrappers
-    assert ran.param_dtypes == {"torch.bfloat16"}, ran.param_dtypes
+    assert ran.param_dtypes == {str(HALF_DTYPES[half_precision])}, ran.param_dtypes
     assert ran.main_grad_dtypes == {"torch.float32"}, ran.main_grad_dtypes
+    scaler = ("DynamicGradScaler", FP16_LOSS_SCALE) if half_precision == "fp16" else None
+    assert ran.grad_scalers == {scaler}, ran.grad_scalers
     if optimizer is not None:
         assert ran.optimizers == {optimizer}, ran.optimizers
         assert ran.main_param_dtypes == {"torch.float32"}, ran.main_param_dtypes

@@ -1,18 +1,21 @@
-"""bf16 mixed precision under DCP (CPU, gloo) against the float64 single-process oracle.
+"""bf16 and fp16 mixed precision under DCP (CPU, gloo) against the float64 single-process oracle.
 
 The distributed side is megatron's own bf16 recipe, as megatron.training builds it with
 ``--bf16``: the chunks built in bf16, in megatron's Float16Module and DDP with float32 gradient
 accumulation, ``finalize_model_grads`` at the end of the schedule, and megatron's mixed-precision
 optimizers (``Float16OptimizerWithFloat16Params``, the distributed optimizer) for the Adam runs
-(``testing.dcp_step``). Each test asserts that it ran that recipe (``assert_ran_mixed_precision``)
-and the CP sizes it claims (``assert_covers``).
+(``testing.dcp_step``); the fp16 tests the same with ``--fp16`` and its dynamic loss scaler (the
+optimizer's ``scale_loss`` scaling the loss in the schedule's backward, the optimizer unscaling
+the float32 gradients, starting at 2**7). Each test asserts that it ran that recipe
+(``assert_ran_mixed_precision``) and the CP sizes it claims (``assert_covers``).
 
 The oracle shares no code with the runtime: megatron's model on one rank, every sample on its
-own, in float64 (the exact values) and in bf16 mixed precision in two sample orders, which
-measures bf16's rounding (``gpt.mixed_precision_reference``,
-``dcp_step.mixed_precision_reference_training_run``). A quantity passes within ``ERROR_FACTOR``
-times that rounding, floored at bf16 ulps capped at ``FLOOR_CAP`` of its magnitude
-(``tools.check.tolerance``; tests/README.md, "bf16 oracle tolerances").
+own, in float64 (the exact values) and in bf16 (fp16, its loss scaled by the same scale) mixed
+precision in two sample orders, which measures the half precision's rounding
+(``gpt.mixed_precision_reference``, ``dcp_step.mixed_precision_reference_training_run``). A
+quantity passes within ``ERROR_FACTOR`` times that rounding, floored at the half precision's ulps
+capped at ``FLOOR_CAP`` of its magnitude (``tools.check.tolerance``; tests/README.md, "bf16
+oracle tolerances").
 """
 
 import dataclasses
@@ -47,7 +50,7 @@ from megatron_dcp.testing.oracle import (  # noqa: E402
     reference_cache,
 )
 from megatron_dcp.testing.plan_coverage import Layout, assert_covers  # noqa: E402
-from megatron_dcp.testing.precision import BF16_EPS  # noqa: E402
+from megatron_dcp.testing.precision import BF16_EPS, FP16_EPS  # noqa: E402
 
 # As test_dcp_oracle.py: with a budget of 100 tokens per rank the 200- and 120-token samples need
 # a group of 2, the short ones fit on one rank, so every plan mixes CP sizes (budget 64: and 4).
@@ -61,13 +64,16 @@ MOE = TinyGPTOptions(
     moe_router_topk=2,
     expert_parallel=2,
 )
+# The half precisions (the bf16 step tests pass OPTIONS: the step and its oracle default to bf16).
+BF16 = dataclasses.replace(OPTIONS, half_precision="bf16")
+FP16 = dataclasses.replace(OPTIONS, half_precision="fp16")
 # Adam's epsilon for the bf16 training runs. Adam moves a weight by about the learning rate for
 # any gradient much larger than epsilon (m/√v ≈ ±1), so with megatron's default 1e-8 the bf16
 # rounding of the per-token gradients near zero (up to 6e-4 here: the oracle's measured
 # ``errors`` over its token count) becomes a full step of either sign: 13 of the 28 weights'
 # tolerances (8 times that) were over CEILING (5 %) of their magnitude: they could not fail. With an
 # epsilon above that rounding it moves a weight by at most lr·rounding/epsilon, and every
-# weight's tolerance is under 5 % of its magnitude (measured: at most 4.7 %).
+# weight's tolerance is under 5 % of its magnitude (measured: at most 4.7 %). fp16 too.
 ADAM_EPS = 1e-3
 
 
@@ -155,37 +161,80 @@ def test_bf16_moe_step_equals_single_process(samples, reference_of):
         assert_mixed_precision_step_matches(result, reference_of(moe.reference_options))
 
 
-@pytest.fixture(scope="module")
-def adam_reference():
-    """The oracle of three Adam steps in bf16 mixed precision (float64, and bf16 twice)."""
+def test_fp16_dcp_step_with_the_loss_scale_equals_single_process(samples, reference_of):
+    """A DCP step at dp2·cp2 mixing CP sizes in fp16 with megatron's loss scaler: the loss scaled
+    by 2**7 in the backward, every float32 main_grad over that scale within the fp16 tolerances
+    of the exact values. (One layout: what fp16 adds, the loss scale and fp16's rounding, does
+    not depend on it; the bf16 tests cover the layouts.)"""
+    results = run_step(Case("fp16", options=FP16), samples)
+    assert_covers(results, CASES[0].layout)
+    for result in results:
+        assert_ran_mixed_precision(result, half_precision="fp16")
+        assert_mixed_precision_step_matches(result, reference_of(FP16), FP16_EPS)
+
+
+def adam_reference_of(options: TinyGPTOptions):
+    """The oracle of three Adam steps in ``options``' mixed precision (float64, and the half
+    precision twice)."""
     batches = adam_batches(OPTIONS.vocab_size)
-    bf16 = dataclasses.replace(OPTIONS, bf16=True)
     reference = partial(mixed_precision_reference_training_run, adam_eps=ADAM_EPS)
-    (expected,) = run_distributed(reference, 1, batches, bf16, timeout_s=240)
+    (expected,) = run_distributed(reference, 1, batches, options, timeout_s=240)
     return batches, expected
 
 
-@pytest.mark.parametrize(
-    "distributed_optimizer, optimizer",
-    [(True, "DistributedOptimizer"), (False, "Float16OptimizerWithFloat16Params")],
-    ids=["distributed_optimizer", "float16_optimizer"],
-)
-def test_bf16_adam_steps_equal_single_process(distributed_optimizer, optimizer, adam_reference):
-    """Three Adam steps at dp2·cp2 in bf16 with megatron's mixed-precision optimizers (float32
-    main weights, sharded over DP×CP by the distributed optimizer): the bf16 weights afterwards
-    within the bf16 tolerances of the float64 run's."""
-    batches, expected = adam_reference
-    bf16 = dataclasses.replace(OPTIONS, bf16=True)
+def adam_run(options: TinyGPTOptions, distributed_optimizer: bool, batches):
+    """Three DCP Adam steps of ``batches`` at dp2·cp2 in ``options``' mixed precision."""
     run = partial(
         dcp_training_run,
         cp=2,
         budget=64,
-        options=bf16,
+        options=options,
         distributed_optimizer=distributed_optimizer,
         adam_eps=ADAM_EPS,
     )
     results = run_distributed(run, 4, batches, timeout_s=240)
     assert_covers(results, CASES[0].layout)
-    for result in results:
+    return results
+
+
+@pytest.fixture(scope="module")
+def adam_reference():
+    return adam_reference_of(BF16)
+
+
+@pytest.fixture(scope="module")
+def fp16_adam_reference():
+    return adam_reference_of(FP16)
+
+
+OPTIMIZERS = pytest.mark.parametrize(
+    "distributed_optimizer, optimizer",
+    [(True, "DistributedOptimizer"), (False, "Float16OptimizerWithFloat16Params")],
+    ids=["distributed_optimizer", "float16_optimizer"],
+)
+
+
+@OPTIMIZERS
+def test_bf16_adam_steps_equal_single_process(distributed_optimizer, optimizer, adam_reference):
+    """Three Adam steps at dp2·cp2 in bf16 with megatron's mixed-precision optimizers (float32
+    main weights, sharded over DP×CP by the distributed optimizer): the bf16 weights afterwards
+    within the bf16 tolerances of the float64 run's."""
+    batches, expected = adam_reference
+    for result in adam_run(BF16, distributed_optimizer, batches):
         assert_ran_mixed_precision(result, optimizer)
         assert_weights_match(result.weights, expected, BF16_EPS)
+
+
+@OPTIMIZERS
+def test_fp16_adam_steps_with_the_loss_scaler_equal_single_process(
+    distributed_optimizer, optimizer, fp16_adam_reference
+):
+    """Three Adam steps at dp2·cp2 in fp16 with megatron's mixed-precision optimizers and its
+    dynamic loss scaler (from 2**7): every step updated the weights (none skipped for an
+    overflow), and the fp16 weights afterwards are within the fp16 tolerances of the float64
+    run's."""
+    batches, expected = fp16_adam_reference
+    for result in adam_run(FP16, distributed_optimizer, batches):
+        assert_ran_mixed_precision(result, optimizer, half_precision="fp16")
+        assert result.updates == (True,) * len(batches), result.updates
+        assert_weights_match(result.weights, expected, FP16_EPS)

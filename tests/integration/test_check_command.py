@@ -31,17 +31,21 @@ def run_check(out, *flags, **env):
     )
 
 
+def checked(out, *flags):
+    """A check's run: (the process, its folder, its JSON report), asserted to have passed."""
+    done = run_check(out, *flags)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, out, json.loads((out / "check.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def passed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("check")
-    done = run_check(out)
-    return done, out, json.loads((out / "check.json").read_text())
+    return checked(tmp_path_factory.mktemp("check"))
 
 
 def test_check_passes_here_with_one_verdict_line(passed):
     done, _, report = passed
     lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert lines[-1].startswith("megatron-dcp check: PASS: static CP and DCP equal the reference")
     assert sum(line.startswith("megatron-dcp check:") for line in lines) == 1
     assert lines[0] == "environment" and "megatron-core 0.19.2 (supported)" in done.stdout
@@ -59,15 +63,12 @@ def test_check_passes_here_with_one_verdict_line(passed):
 
 @pytest.fixture(scope="module")
 def passed_bf16(tmp_path_factory):
-    out = tmp_path_factory.mktemp("check_bf16")
-    done = run_check(out, "--bf16")
-    return done, out, json.loads((out / "check.json").read_text())
+    return checked(tmp_path_factory.mktemp("check_bf16"), "--bf16")
 
 
 def test_check_passes_in_bf16_deciding_what_bf16_resolves_and_the_rest_in_fp32(passed_bf16):
     done, out, report = passed_bf16
     lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert lines[-1].startswith("megatron-dcp check: PASS: bf16: static CP and DCP equal the ")
     assert "; fp32: static CP and DCP equal the reference" in lines[-1]
     assert report["stages"] == ["bf16", "fp32"]
