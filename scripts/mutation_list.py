@@ -9,6 +9,7 @@ the code changes, update the entry (or drop it, saying why in tests/README.md).
 
 from __future__ import annotations
 
+from mutation_list_rl import RL_MODEL_MUTANTS
 from mutation_list_tools import CHECK_MUTANTS, COST_MUTANTS
 from mutation_types import PATCHES, Mutant
 
@@ -25,13 +26,6 @@ DCP_ORACLE = "tests/integration/test_dcp_oracle.py"
 ORACLE_CP2 = f"{DCP_ORACLE}::test_dcp_step_equals_single_process[tp1pp1dp2cp2-default_dynamic_cp]"
 ORACLE_SFT = f"{DCP_ORACLE}::test_sft_masks_divide_by_the_assistant_tokens[tp1pp1dp2cp2]"
 RL_TESTS = ("tests/integration/test_rl_adapter.py",)
-RL_MODELS = "tests/integration/test_rl_models.py::"
-VALUE_TESTS = (RL_MODELS + "test_value_model_equals_single_process",)
-REWARD_TESTS = (RL_MODELS + "test_reward_model_pointwise_and_pairwise_equal_single_process",)
-DISTILL_TESTS = (RL_MODELS + "test_distillation_equals_single_process",)
-ADAPTERS = "megatron_dcp/adapters/"
-VERL_CRITIC = "tests/integration/test_verl_critic.py::"
-VERL_DISTILL = "tests/integration/test_verl_distill.py::"
 HYBRID_DCP = "tests/integration/test_dcp_hybrid.py::test_hybrid_step_equals_single_process"
 VALIDATE_TESTS = ("tests/unit/scheduling/test_plan_validate.py",)
 BF16_ORACLE = "tests/integration/test_bf16_oracle.py::"
@@ -185,6 +179,35 @@ RUNTIME_MUTANTS = (
 )
 
 PATCH_MUTANTS = (
+    Mutant(
+        "patch-planned-shapes-ignore-sequence-parallel",
+        "megatron_dcp/integration/forward_backward.py",
+        "sequence_divisor=config.tensor_model_parallel_size if config.sequence_parallel else 1,",
+        "sequence_divisor=1,",
+        ("tests/integration/test_pipeline_p2p.py::"
+         "test_a_dcp_step_sizes_its_pipeline_messages_from_the_plan[tp2sp]",),
+        "pipeline messages sized for the whole sequence under sequence parallelism, where each "
+        "TP rank sends its 1/TP share",
+    ),
+    Mutant(
+        "patch-planned-shapes-vpp-order",
+        PATCHES + "pipeline_shapes.py",
+        "order += [(mb, chunk) for chunk in range(num_chunks) for mb in range(first, end)]",
+        "order += [(mb, chunk) for mb in range(first, end) for chunk in range(num_chunks)]",
+        ("tests/integration/test_pipeline_p2p.py::"
+         "test_a_dcp_step_sizes_its_pipeline_messages_from_the_plan[vpp2]",),
+        "the interleaved schedule's forward order taken micro-batch by micro-batch, not each group "
+        "through every chunk: messages sized for another micro-batch",
+    ),
+    Mutant(
+        "cpu-type-names-all-float",
+        "megatron_dcp/integration/cpu/parallel.py",
+        'return name.replace("torch.", "torch.cuda.", 1)',
+        'return "torch.cuda.FloatTensor"',
+        (BF16_ORACLE + "test_bf16_adam_steps_equal_single_process[distributed_optimizer]",),
+        "CudaTypeNames: every CPU tensor answers torch.cuda.FloatTensor, so both mixed-precision "
+        "optimizers take bf16 parameters for float32 ones",
+    ),
     Mutant(
         "patch-rope-static-cp",
         PATCHES + "cp_switching.py",
@@ -472,122 +495,6 @@ VALIDATION_MUTANTS = (
         "if k and k % self.num_microbatches:",
         VALIDATE_TESTS,
         "swapped operands: the micro-batch count is checked as a divisor of the VPP group size",
-    ),
-)
-
-RL_MODEL_MUTANTS = (
-    Mutant(
-        "value-targets-not-shifted",
-        ADAPTERS + "value.py",
-        "out[:-1] = value[1:]",
-        "out[:] = value",
-        VALUE_TESTS,
-        "missing shift: each critic output meets its own token's target, not the next token's",
-    ),
-    Mutant(
-        "value-merged-not-shifted",
-        ADAPTERS + "value.py",
-        "out[1:] = flat[:-1]",
-        "out[:] = flat",
-        VALUE_TESTS,
-        "missing right-shift: merged values are returned at their output positions",
-    ),
-    Mutant(
-        "scalar-head-no-sequence-gather",
-        ADAPTERS + "heads.py",
-        "        if self.sequence_parallel:",
-        "        if False:",
-        VALUE_TESTS,
-        "the head reads only this TP rank's sequence-parallel slice",
-    ),
-    Mutant(
-        "score-at-first-token",
-        ADAPTERS + "scores.py",
-        "mark[-1] = sample_id + 1",
-        "mark[0] = sample_id + 1",
-        REWARD_TESTS,
-        "wrong index: the score is read at the sample's first token, not its last",
-    ),
-    Mutant(
-        "scores-not-gathered",
-        ADAPTERS + "scores.py",
-        "    if groups.domain_size > 1:\n        device",
-        "    if groups.domain_size > 99:\n        device",
-        REWARD_TESTS,
-        "skipped collective: each rank sees only the scores it owns; pairs across groups break",
-    ),
-    Mutant(
-        "reverse-kl-teacher-weights",
-        ADAPTERS + "distill.py",
-        "        terms = student.exp() * (student - teacher)",
-        "        terms = teacher.exp() * (student - teacher)",
-        DISTILL_TESTS,
-        "wrong weight: reverse KL weighted by the teacher's probabilities",
-    ),
-    Mutant(
-        "distill-vocab-shard-only",
-        ADAPTERS + "distill.py",
-        "    if _tp_size() == 1:\n        return logits",
-        "    if True:\n        return logits",
-        DISTILL_TESTS,
-        "no TP gather: the KL is taken over this TP rank's vocabulary shard",
-    ),
-    Mutant(
-        "distill-normaliser-gradient-partial",
-        ADAPTERS + "distill.py",
-        "    return shard - copy_to_tensor_model_parallel_region(normaliser)",
-        "    return shard - normaliser",
-        DISTILL_TESTS,
-        "the vocabulary-parallel normaliser's gradient not summed over TP: each shard sees its "
-        "own share of it",
-    ),
-    Mutant(
-        "distill-ids-not-summed",
-        ADAPTERS + "distill.py",
-        "    return _tp_sum(picked * inside)",
-        "    return picked * inside",
-        DISTILL_TESTS,
-        "the student's log-probabilities at the teacher's ids only on the shard holding them",
-    ),
-    Mutant(
-        "verl-value-forward-unfixed",
-        "megatron_dcp/integration/patches/verl_critic.py",
-        "        if not self.engine_config.dynamic_context_parallel:",
-        "        if True:",
-        (VERL_CRITIC + "test_critic_under_dcp_equals_single_process",),
-        "verl's own value forward under DCP: values sharded on the static CP group",
-    ),
-    Mutant(
-        "verl-value-refusal-kept",
-        "megatron_dcp/integration/patches/verl_refusals.py",
-        "            model_config = LanguageModelView(model_config)",
-        "            pass",
-        (VERL_CRITIC + "test_critic_under_dcp_equals_single_process",),
-        "the value model's refusal not lifted: verl's critic cannot run under DCP",
-    ),
-    Mutant(
-        "verl-value-lift-without-fix",
-        "megatron_dcp/integration/patches/verl_refusals.py",
-        "    return bool(getattr(forward, PASSES_LOCAL_CP_SIZE, False))",
-        "    return True",
-        (VERL_CRITIC + "test_only_the_value_model_refusal_is_lifted",),
-        "the refusal lifted even where verl's unfixed value forward would run",
-    ),
-    Mutant(
-        "verl-distill-teacher-on-static-group",
-        "megatron_dcp/integration/patches/verl_distill.py",
-        "    rows, *_ = preprocess_thd_engine(tensor, pre_process=True, local_cp_size=local_cp_size)",
-        "    rows, *_ = preprocess_thd_engine(tensor, pre_process=True)",
-        (VERL_DISTILL + "test_topk_distillation_under_dcp_equals_single_process",),
-        "the teacher's top-k rows cut on the static CP group, the student's on the dynamic one",
-    ),
-    Mutant(
-        "verl-distill-lift-without-fix",
-        "megatron_dcp/integration/patches/verl_refusals.py",
-        "    return bool(getattr(losses.compute_topk_loss, SHARDS_ON_GROUP, False))",
-        "    return True",
-        (VERL_DISTILL + "test_only_the_distillation_refusal_is_lifted_with_the_fix",),
-        "the distillation refusal lifted even where verl's unfixed top-k loss would run",
     ),
 )
 
