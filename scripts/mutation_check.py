@@ -3,8 +3,9 @@
 
 A curated list of single-line mutations (``MUTANTS`` in ``scripts/mutation_list.py``, with
 ``mutation_list_tools.py`` and ``mutation_list_rl.py``): realistic one-line mistakes
-(off-by-one, wrong group, dropped term, swapped operands, a guard disabled) in the runtime, the number-changing entries of the patch table, the loss and token-count
-normalisation and the plan validation. Each names its file, the exact original snippet (it must
+(off-by-one, wrong group, dropped term, swapped operands, a guard disabled) in the runtime,
+the number-changing entries of the patch table, the loss and token-count normalisation and the
+plan validation. Each names its file, the exact original snippet (it must
 occur exactly once, so the list cannot rot silently), the replacement and the tests a developer
 would expect to catch it. For each mutant the check
 
