@@ -25,6 +25,7 @@ from megatron_dcp.testing.gpt import (
     gather_full_tensors,
     half_weights,
     init_megatron,
+    leave_the_runtime,
     mixed_precision_backward,
     mixed_precision_model,
     unpacked_loss_and_backward,
@@ -417,10 +418,8 @@ def mixed_precision_reference_training_run(
     float32 ``main_grad``, megatron's float32 DDP and Adam scale and apply them to the main
     weights, and the half copy takes them up (rounded) before the next batch. The half copy's
     weights are the result: what a mixed-precision run's model holds."""
-    from megatron_dcp.tools.check.reference_arm import outside_runtime
-
     init_megatron(seed=options.seed)
-    outside_runtime()  # only the CPU stand-ins of the patch table: none of DCP's entries
+    leave_the_runtime()
     options = with_half(options)
     single = dataclasses.replace(options, half_precision=None)
     to_exact = lambda model: half_weights(model, options.params_dtype, torch.float64)  # noqa: E731

@@ -533,13 +533,23 @@ def mixed_precision_backward(
     return total, tokens
 
 
+def leave_the_runtime() -> None:
+    """Make this oracle process run none of DCP's code, and check it: only the CPU stand-ins of
+    the patch table stay applied. The process is a fork of the test process, which an earlier
+    test may have left with DCP's entries applied; restoring them here leaves the parent as it
+    was."""
+    from megatron_dcp.integration.patches import restore_groups
+    from megatron_dcp.tools.check.reference_arm import RUNTIME_GROUPS, outside_runtime
+
+    restore_groups(RUNTIME_GROUPS)
+    outside_runtime()
+
+
 def _mixed_precision_worker(
     rank: int, world_size: int, samples: Sequence[Sample], options: TinyGPTOptions
 ) -> ReferenceResult:
-    from megatron_dcp.tools.check.reference_arm import outside_runtime
-
     init_megatron(seed=options.seed)
-    outside_runtime()  # only the CPU stand-ins of the patch table: none of DCP's entries
+    leave_the_runtime()
     half = with_half(options).params_dtype
     exact_loss, _, exact = mixed_precision_pass(samples, options, torch.float64)
     reordered_loss, _, reordered = mixed_precision_pass(samples[::-1], options, half)
