@@ -38,9 +38,9 @@ CHECK_MUTANTS = (
     ),
     Mutant(
         "check-bf16-stage-decides-nothing",
-        CHECK + "verdict.py",
-        "top = worst([d for d in result.reference if d.decidable or not result.low_precision])",
-        "top = worst([d for d in result.reference if not result.low_precision])",
+        CHECK + "layout_runs.py",
+        "return difference.decidable or not self.low_precision",
+        "return not self.low_precision",
         CHECK_STAGES,
         "the bf16 stage passes every quantity, even those it can resolve",
     ),

@@ -101,17 +101,7 @@ def dcp_training_step(
         pack_padding=pack_padding,
     )
     wrapper = build_forward_backward(chunks[0].config, dcp)
-    local = local_share(samples)
-    share = len(local)
-    losses = wrapper(
-        forward_step_func=forward_step,
-        data_iterator=[iter(local) for _ in chunks] if vpp else iter(local),
-        model=chunks if vpp else chunks[0],
-        num_microbatches=share,
-        seq_length=0,
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    losses = forward_backward_of(wrapper, chunks, local_share(samples), vpp)
     loss_sum, num_tokens = global_loss(losses)
     stats = wrapper.stats[-1]
     grads = gather_full_tensors(chunks)
@@ -123,6 +113,19 @@ def dcp_training_step(
         stats.num_microbatches,
         grads,
         parallel_layout(),
+    )
+
+
+def forward_backward_of(
+    wrapper: Callable, models: Sequence[torch.nn.Module], local: Sequence[Sample], vpp: Any
+) -> Any:
+    """One forward-backward of this rank's ``local`` samples through the DCP ``wrapper`` over
+    ``models`` (the model chunks, one data iterator each with VPP); megatron's losses."""
+    return wrapper(
+        forward_step_func=forward_step,
+        data_iterator=[iter(local) for _ in models] if vpp else iter(local),
+        model=list(models) if vpp else models[0],
+        num_microbatches=len(local),
     )
 
 
@@ -162,17 +165,8 @@ def dcp_mixed_precision_step(
     scale = float(optimizer.get_loss_scale())
     dcp = DCPConfig.for_model(chunks[0].config, budget, scheduler=scheduler)
     wrapper = build_forward_backward(chunks[0].config, dcp)
-    local = local_share(samples)
     models[0].zero_grad_buffer()
-    losses = wrapper(
-        forward_step_func=forward_step,
-        data_iterator=iter(local),
-        model=models[0],
-        num_microbatches=len(local),
-        seq_length=0,
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    losses = forward_backward_of(wrapper, models, local_share(samples), vpp=None)
     loss_sum, num_tokens = global_loss(losses)
     stats = wrapper.stats[-1]
     unscaled = lambda param: main_grad(param) / scale  # noqa: E731
@@ -326,8 +320,6 @@ def dcp_training_run(
     ``distributed_optimizer``, the communication overlaps of ``overlap``; in megatron's mixed
     precision with ``options.half_precision``, fp16 with its loss scaler; Adam's epsilon
     ``adam_eps``); the full weights afterwards and what the steps ran."""
-    from megatron.core import parallel_state
-
     options = options or TinyGPTOptions()
     init_model_parallel(tp, pp, cp, vpp, options)
     apply_patches()
@@ -336,21 +328,12 @@ def dcp_training_run(
     wrapper = build_forward_backward(
         chunks[0].config, DCPConfig.for_model(chunks[0].config, budget)
     )
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
     updates = []
     for samples in batches:
-        share = len(samples) // dp_size
-        local = samples[dp_rank * share : (dp_rank + 1) * share]
         for model in models:
             model.zero_grad_buffer()
         optimizer.zero_grad()
-        wrapper(
-            forward_step_func=forward_step,
-            data_iterator=[iter(local) for _ in models] if vpp else iter(local),
-            model=models if vpp else models[0],
-            num_microbatches=share,
-        )
+        forward_backward_of(wrapper, models, local_share(samples), vpp)
         update_successful, _, _ = optimizer.step()
         updates.append(bool(update_successful))
     finish_param_gather(models, overlap)

@@ -41,6 +41,7 @@ from megatron_dcp.testing.precision import (
     to_float64,
 )
 from megatron_dcp.tools.check.global_names import parameter_gradient, renumbered, unwrap
+from megatron_dcp.tools.check.rounding import add_gradients
 from megatron_dcp.tools.local_ranks import run_distributed
 
 import_megatron_core()
@@ -515,7 +516,6 @@ def mixed_precision_backward(
     above fp16's subnormals as megatron's loss scaler keeps them, and each sample's gradient
     divided by it as it is added (megatron unscales the float32 sum: the same for a power of
     two). Summed loss (unscaled) and token count."""
-    params = dict(model.named_parameters())
     summing = next(iter(sums.values())).dtype
     total, tokens = 0.0, 0
     for sample in samples:
@@ -524,10 +524,7 @@ def mixed_precision_backward(
         losses = unpacked_token_losses(model, sample).to(summing)
         loss = (losses * sample["loss_mask"].view(1, -1).to(summing)).sum()
         (loss * loss_scale).backward()
-        for name, param in params.items():
-            if param.grad is not None:
-                sums[name] += param.grad.to(summing) / loss_scale
-                param.grad = None
+        add_gradients(model, sums, summing, loss_scale)
         total += float(loss)
         tokens += int((sample["loss_mask"] != 0).sum())
     return total, tokens

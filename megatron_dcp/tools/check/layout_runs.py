@@ -72,6 +72,15 @@ class LayoutResult:
         """The reference comparisons whose tolerance is over the ceiling."""
         return [d for d in self.reference if not d.decidable]
 
+    def decides(self, difference: Difference) -> bool:
+        """This stage decides ``difference``: float32 decides every one (one over the ceiling
+        fails); a low-precision stage only those under it, the rest go to float32."""
+        return difference.decidable or not self.low_precision
+
+    def decided(self) -> List[Difference]:
+        """The reference comparisons this stage decides (:meth:`decides`)."""
+        return [d for d in self.reference if self.decides(d)]
+
     def mixes(self) -> bool:
         """DCP planned at least one batch on two or more CP sizes."""
         return any(len(sizes) > 1 for sizes in self.cp_sizes.get("dcp", []))

@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Mapping, Sequence
 import torch
 
 from megatron_dcp.tools.check import reference_records as records
-from megatron_dcp.tools.check.rounding import ExactRun, exact_run, largest_difference
+from megatron_dcp.tools.check.rounding import ExactRun, add_gradients, exact_run
+from megatron_dcp.tools.check.rounding import largest_difference
 from megatron_dcp.tools.check.rounding import largest_magnitude, to_dtype
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -141,18 +142,6 @@ def reference_pass(
         total += float(loss)
         tokens += int((sample["loss_mask"] != 0).sum())
     return total, tokens, {name: grad.double() for name, grad in sums.items()}
-
-
-def add_gradients(
-    model: torch.nn.Module, sums: Dict[str, torch.Tensor], dtype: torch.dtype
-) -> None:
-    """Add each parameter's gradient to its sum in ``dtype`` and clear it (parameters that
-    got no gradient have no sum)."""
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad.to(dtype)
-            sums[name] = sums[name].add_(grad) if name in sums else grad.clone()
-            param.grad = None
 
 
 def batch_reference(

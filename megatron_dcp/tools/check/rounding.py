@@ -7,7 +7,7 @@ reference arm and by the oracle tests (``testing.precision``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Dict, Mapping, Sequence
 
 import torch
 
@@ -37,6 +37,24 @@ def exact_run(
     }
     loss_error = max(abs(loss - exact_loss) for loss, _ in rounded_runs)
     return ExactRun(exact_loss, dict(exact), loss_error, errors)
+
+
+def add_gradients(
+    model: torch.nn.Module,
+    sums: Dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    loss_scale: float = 1.0,
+) -> None:
+    """Add each parameter's gradient, over ``loss_scale``, to its sum in ``dtype`` (in place)
+    and clear it: a reference's emulation of megatron's mixed precision, where DDP adds each
+    micro-batch's half-precision gradient to its float32 ``main_grad`` (fp16's loss scale, a
+    power of two, divided out exactly). A parameter without a sum gets one at its first
+    gradient; one that got no gradient has none."""
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.to(dtype) / loss_scale
+            sums[name] = sums[name].add_(grad) if name in sums else grad
+            param.grad = None
 
 
 def largest_difference(tensor: torch.Tensor, exact: torch.Tensor) -> float:

@@ -65,7 +65,7 @@ def reference_failures(result: LayoutResult) -> List[str]:
             f"{where}: cannot decide: {d.name}'s tolerance is {d.allowed / d.magnitude:.2g} of "
             f"its magnitude, over the ceiling {CEILING:g}"
         )
-    top = worst([d for d in result.reference if d.decidable or not result.low_precision])
+    top = worst(result.decided())
     if top is not None and not top.finite:
         found.append(f"{where}: {top.name} is not a number: {top.difference} from the reference "
                      f"(largest value {top.magnitude})")  # fmt: skip
@@ -96,7 +96,7 @@ def verdict_line(results: Sequence[LayoutResult], problems: Sequence[str]) -> st
 def stage_summary(results: Sequence[LayoutResult]) -> str:
     """One stage's part of the PASS line: what it decided, and how close it came."""
     first = results[0]
-    reference = [d for r in results for d in r.reference if d.decidable]
+    reference = [d for r in results for d in r.decided()]
     deferred = sum(len(r.undecided()) for r in results)
     sizes = sorted({s for r in results for batch in r.cp_sizes["dcp"] for s in batch})
     layouts = ", ".join(str(r.layout) for r in results)
@@ -159,7 +159,7 @@ def reference_lines(result: LayoutResult) -> List[str]:
     lines = []
     for arm in ("static", "dcp"):
         mine = [d for d in result.reference if f" {arm} rank" in d.name]
-        decided = [d for d in mine if d.decidable or not result.low_precision]
+        decided = [d for d in mine if result.decides(d)]
         top = worst(decided)
         if top is None:
             continue
@@ -176,10 +176,9 @@ def reference_lines(result: LayoutResult) -> List[str]:
 
 def layout_json(result: LayoutResult) -> Dict[str, Any]:
     ranked = sorted(result.gradients, key=lambda d: d.margin, reverse=True)
-    deciding = not result.low_precision  # a low-precision stage ranks its deferred ones last
-    reference = sorted(
-        result.reference, key=lambda d: (deciding or d.decidable, d.margin), reverse=True
-    )
+    # A low-precision stage ranks what it leaves to float32 after what it decides.
+    decided_first = lambda d: (result.decides(d), d.margin)  # noqa: E731
+    reference = sorted(result.reference, key=decided_first, reverse=True)
     return {
         "layout": str(result.layout),
         "stage": result.stage or "fp32",
