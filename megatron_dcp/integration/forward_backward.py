@@ -36,6 +36,18 @@ from megatron_dcp.integration.patches.cp_switching import TP_CP_GROUP_ATTRIBUTE
 from megatron_dcp.integration.patches.mtp_loss import MTP_RATIOS_ATTRIBUTE, mtp_token_ratios
 from megatron_dcp.integration.patches.pipeline_shapes import PlannedShapes, planned_shapes
 from megatron_dcp.integration.prefetch import Comm, Prefetcher, dedicated_comm
+from megatron_dcp.integration.vision_batches import (
+    IMAGES,
+    VISION_SLOT,
+    BatchTiles,
+    TileRoute,
+    VisionSpec,
+    exchange_tiles,
+    micro_batch_images,
+    offset_slots,
+    route_tiles,
+    split_images,
+)
 from megatron_dcp.integration.process_groups import (
     create_dcp_groups,
     create_tp_cp_groups,
@@ -68,6 +80,11 @@ SAMPLE_KEYS = tuple(SAMPLE_DTYPES)
 SAMPLE_SCHEMA = SampleSchema.of(
     {key: torch.empty(0, dtype=dtype) for key, dtype in SAMPLE_DTYPES.items()}
 )
+# A vision-language sample's per-token fields (its images travel apart: ``vision_batches``).
+VLM_SCHEMA = SampleSchema.of(
+    {key: torch.empty(0, dtype=dtype) for key, dtype in SAMPLE_DTYPES.items()}
+    | {VISION_SLOT: torch.empty(0, dtype=torch.int64)}
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,8 @@ class BatchStats:
     estimated_imbalance: float
     # Forward-backward seconds of the busiest position under the cost model that planned it.
     predicted_step_s: float = 0.0
+    # Image tiles this rank encoded (vision-language models): each tile once per CP group.
+    encoder_tiles: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +113,16 @@ class Prepared:
     batches: List[Batch]
     plan: Plan
     stats: BatchStats
+
+
+@dataclass(frozen=True)
+class RoutedImages:
+    """A vision-language batch's tiles: the counts of every sample, and those this rank
+    encodes (global tile id -> flat pixels)."""
+
+    tiles: BatchTiles
+    routed: Mapping[int, torch.Tensor]
+    bytes_received: int
 
 
 @dataclass
@@ -124,6 +153,8 @@ class DCPForwardBackward:
     prefetcher: Optional[Prefetcher] = None
     prefetch_next: bool = True
     pending_cost: Optional[CostModel] = None
+    # A vision-language model's tiles (``integration.vision_batches``); None: text only.
+    vision: Optional[VisionSpec] = None
 
     def __call__(
         self,
@@ -173,11 +204,12 @@ class DCPForwardBackward:
 
     def prepare(self, samples: Sequence[Sample]) -> List[Batch]:
         """Steps 2–4 for ``samples`` on the calling thread, recorded as the batch last run."""
-        return self.publish(self.prepare_samples([as_sample(s) for s in samples], self.comm))
+        samples = [as_sample(s, self.vision is not None) for s in samples]
+        return self.publish(self.prepare_samples(samples, self.comm))
 
     def prepare_from(self, iterator: Iterator[Any], count: int, comm: Comm) -> Prepared:
         """Steps 1–4: read ``count`` samples of ``iterator`` and prepare them over ``comm``."""
-        return self.prepare_samples(take_samples(iterator, count), comm)
+        return self.prepare_samples(take_samples(iterator, count, self.vision is not None), comm)
 
     def prepare_samples(self, samples: Sequence[Sample], comm: Comm) -> Prepared:
         """Steps 2–4: plan, route and pack this rank's micro-batches of one global batch over the
@@ -185,22 +217,27 @@ class DCPForwardBackward:
         under NCCL, else the CPU); every length and count is taken on the host, before the move:
         no value of a device tensor is read per micro-batch."""
         device = collective_device(comm.domain_group)
+        samples, images = split_images(samples) if self.vision else (samples, None)
         lengths = gather_lengths([sample_length(s) for s in samples], comm.dp_group)
+        tiles = exchange_tiles(images, comm.dp_group) if images is not None else None
         start = time.perf_counter()
         plan = plan_with(self.scheduler, lengths.seqlens)
         plan_time = time.perf_counter() - start
         check_same_plan(plan, comm.domain_group, step=len(self.stats) + 1)
         moved = [{key: to_device(value, device) for key, value in s.items()} for s in samples]
         routed = self.route(plan, lengths, moved, comm)
+        pictures = self.route_images(plan, lengths, tiles, images, comm, device)
         batches = [
-            self.pack(plan, index, routed.samples, device) for index in range(plan.num_microbatches)
+            self.pack(plan, index, routed.samples, device, pictures)
+            for index in range(plan.num_microbatches)
         ]
         if self.mtp_depth:  # counted on the host masks, before the move
             masks = [sample["loss_mask"] for sample in samples]
             ratios = mtp_token_ratios(masks, self.mtp_depth, comm.dp_group, device)
             for batch in batches:
                 setattr(batch["packed_seq_params"], MTP_RATIOS_ATTRIBUTE, ratios)
-        stats = batch_stats(plan, plan_time, batches, routed.bytes_received, self.scheduler)
+        received = routed.bytes_received + (pictures.bytes_received if pictures else 0)
+        stats = batch_stats(plan, plan_time, batches, received, self.scheduler)
         return Prepared(batches, plan, stats)
 
     def publish(self, prepared: Prepared) -> List[Batch]:
@@ -229,28 +266,82 @@ class DCPForwardBackward:
         ids = lengths.ids_of(torch.distributed.get_rank(comm.dp_group))
         local = dict(zip(ids, samples))
         position, owner_of = self.groups.position, lengths.owner_of
+        schema = VLM_SCHEMA if self.vision else SAMPLE_SCHEMA
         if routing_method(self.config.routing, comm.domain_group) == LANE_ALL_GATHER:
             return route_by_lane_all_gather(
-                plan, local, position, comm.dp_group, owner_of, schema=SAMPLE_SCHEMA
+                plan, local, position, comm.dp_group, owner_of, schema=schema
             )
-        return route_samples(
-            plan, local, position, comm.domain_group, owner_of, schema=SAMPLE_SCHEMA
+        return route_samples(plan, local, position, comm.domain_group, owner_of, schema=schema)
+
+    def route_images(
+        self,
+        plan: Plan,
+        lengths: GlobalLengths,
+        tiles: Optional[BatchTiles],
+        images: Optional[Sequence[torch.Tensor]],
+        comm: Comm,
+        device: torch.device,
+    ) -> Optional["RoutedImages"]:
+        """Step 3 for a vision-language batch's tiles: each to the rank of its CP group that
+        encodes it, by the text's routing method (``integration.vision_batches``)."""
+        if tiles is None or images is None:
+            return None
+        ids = lengths.ids_of(torch.distributed.get_rank(comm.dp_group))
+        local = {i: to_device(image, device) for i, image in zip(ids, images)}
+        method = routing_method(self.config.routing, comm.domain_group)
+        route = TileRoute(
+            method, self.groups.position, comm.domain_group, comm.dp_group, lengths.owner_of
         )
+        pixels, received = route_tiles(plan, tiles, local, self.vision, route)
+        return RoutedImages(tiles, pixels, received)
 
     def pack(
-        self, plan: Plan, index: int, samples: Mapping[int, Sample], device: torch.device
+        self,
+        plan: Plan,
+        index: int,
+        samples: Mapping[int, Sample],
+        device: torch.device,
+        images: Optional["RoutedImages"] = None,
     ) -> Batch:
-        """Step 4: this rank's share of micro-batch ``index``, on ``device``."""
+        """Step 4: this rank's share of micro-batch ``index``, on ``device`` (with its image
+        tiles, for a vision-language model)."""
         group = plan.microbatches[index].group_of(self.groups.position)
         multiple = self.config.pad_multiple(group.size)
+        extra: Tuple[str, ...] = ()
+        if images is not None:
+            counts = [images.tiles.tiles[i] for i in group.sample_ids]
+            shifted = offset_slots([samples[i] for i in group.sample_ids], counts, self.vision)
+            samples, extra = dict(zip(group.sample_ids, shifted)), (VISION_SLOT,)
         packed, cp_group = pack_group(
-            group, samples, self.groups, multiple, self.config.pack_padding
+            group, samples, self.groups, multiple, self.config.pack_padding, extra
         )
         batch = batch_of(packed.to(device), cp_group)
+        if images is not None:
+            batch.update(self.vision_inputs(group, images, packed, cp_group, device))
         if self.tp_cp_groups is not None:
             tp_cp = tp_cp_group_for(self.tp_cp_groups, self.groups, group)
             setattr(batch["packed_seq_params"], TP_CP_GROUP_ATTRIBUTE, tp_cp)
         return batch
+
+    def vision_inputs(
+        self,
+        group: CPGroup,
+        images: "RoutedImages",
+        packed: PackedMicroBatch,
+        cp_group: Any,
+        device: torch.device,
+    ) -> Batch:
+        """The forward step's image inputs of one micro-batch: this rank's tiles, the image
+        slots of its tokens and its :class:`~megatron_dcp.integration.vision_batches.VisionShare`."""
+        position = self.groups.position
+        tiles, share = micro_batch_images(
+            group, position, images.tiles, images.routed, self.vision, cp_group
+        )
+        return {
+            IMAGES: to_device(tiles, device),
+            VISION_SLOT: packed.extras[VISION_SLOT].to(device),
+            "vision_share": share,
+        }
 
 
 def routing_method(configured: str, domain_group: Any) -> str:
@@ -269,15 +360,18 @@ def pack_group(
     groups: DCPGroups,
     pad_multiple: int,
     padding: PackPadding = NO_PADDING,
+    extra_fields: Sequence[str] = (),
 ) -> Tuple[PackedMicroBatch, Any]:
     """This rank's zigzag share of a plan's CP ``group`` (its samples packed as THD, in plan
-    order, the pack padded as ``padding`` says) and the group's communicator (None at size 1)."""
+    order, the pack padded as ``padding`` says, ``extra_fields`` carried) and the group's
+    communicator (None at size 1)."""
     packed = pack_samples(
         [samples[i] for i in group.sample_ids],
         group.size,
         groups.position - group.ranks[0],
         pad_multiple,
         padding,
+        extra_fields,
     )
     return packed, groups.group_for(group)
 
@@ -332,6 +426,7 @@ def batch_stats(
         bytes_received=bytes_received,
         estimated_imbalance=plan_imbalance(plan, scheduler.cost_model),
         predicted_step_s=predicted_step_time(plan, scheduler.cost_model),
+        encoder_tiles=sum(b["vision_share"].local_tiles for b in batches if "vision_share" in b),
     )
 
 
@@ -352,10 +447,14 @@ def sample_length(sample: Sample) -> int:
     return int(sample["tokens"].numel())
 
 
-def as_sample(item: Mapping[str, Any]) -> Sample:
-    """A sample as 1-D tensors: megatron's data loader collates one sample to ``[1, L]``."""
+def as_sample(item: Mapping[str, Any], vision: bool = False) -> Sample:
+    """A sample as 1-D tensors: megatron's data loader collates one sample to ``[1, L]``. A
+    vision-language sample (``vision``) also has ``vision_slot`` and its ``images``
+    ``[tiles, C, H, W]``."""
     sample = {}
-    for key in SAMPLE_KEYS:
+    if vision:
+        sample[IMAGES] = vision_images(item)
+    for key in (*SAMPLE_KEYS, VISION_SLOT) if vision else SAMPLE_KEYS:
         if key not in item:
             raise ValueError(
                 f"a DCP sample needs the fields {SAMPLE_KEYS}; got {sorted(item)}. The dataset "
@@ -367,16 +466,27 @@ def as_sample(item: Mapping[str, Any]) -> Sample:
                 f"DCP needs --micro-batch-size 1 (got micro-batches of {value.shape[0]} "
                 "sequences): the plan forms the micro-batches; --global-batch-size counts sequences."
             )
-        sample[key] = value.reshape(-1).to(SAMPLE_DTYPES[key])
+        sample[key] = value.reshape(-1).to(SAMPLE_DTYPES.get(key, torch.int64))
     return sample
 
 
-def take_samples(iterator: Iterator[Any], count: int) -> List[Sample]:
+def vision_images(item: Mapping[str, Any]) -> torch.Tensor:
+    """A vision-language sample's tiles ``[tiles, C, H, W]`` (collated ``[1, tiles, C, H, W]``)."""
+    if IMAGES not in item or VISION_SLOT not in item:
+        raise ValueError(
+            f"a vision-language DCP sample needs the fields {(*SAMPLE_KEYS, VISION_SLOT, IMAGES)}; "
+            f"got {sorted(item)}: build it with integration.data.vlm_samples.make_vlm_sample."
+        )
+    images = torch.as_tensor(item[IMAGES])
+    return images[0] if images.dim() == 5 else images
+
+
+def take_samples(iterator: Iterator[Any], count: int, vision: bool = False) -> List[Sample]:
     """The next ``count`` samples (a ``StopIteration`` mid-batch is a data-loader error)."""
     samples = []
     for _ in range(count):
         try:
-            samples.append(as_sample(next(iterator)))
+            samples.append(as_sample(next(iterator), vision))
         except StopIteration:
             raise ValueError(
                 f"the data iterator ran out after {len(samples)} of the {count} samples this "
@@ -429,9 +539,11 @@ def build_forward_backward(
     config: DCPConfig,
     groups: Optional[DCPGroups] = None,
     forward_backward_func: Optional[Callable[..., Any]] = None,
+    vision: Optional[VisionSpec] = None,
 ) -> DCPForwardBackward:
     """The DCP wrapper around ``get_forward_backward_func()`` for a model with ``model_config``
-    (its TransformerConfig), which must agree with ``config`` on the parallel sizes."""
+    (its TransformerConfig), which must agree with ``config`` on the parallel sizes;
+    ``vision``: the tiles of a vision-language model (``integration.vision_batches``)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -450,6 +562,7 @@ def build_forward_backward(
         domain_group=domain_group,
         tp_cp_groups=tp_cp_groups,
         mtp_depth=model_config.mtp_num_layers or 0,
+        vision=vision,
     )
     if config.prefetch:
         wrapper.prefetcher = Prefetcher(wrapper.prepare_from, dedicated_comm(wrapper.comm))

@@ -10,6 +10,10 @@ Edge cases: zero-length samples are dropped (they carry neither tokens nor loss)
 with no tokens packs one all-padding sequence of ``pad_multiple`` tokens, so every rank still runs
 a (loss-free) forward and backward and takes part in the collectives of its peers.
 
+Extra per-token fields (``extra_fields``: integer fields such as a vision-language sample's
+``vision_slot``) are packed and sliced like the tokens, padded with 0, and returned in
+``PackedMicroBatch.extras``.
+
 A :class:`~megatron_dcp.runtime.pack_padding.PackPadding` pads the whole pack further (an aligned
 or fixed local length, a fixed number of ``cu_seqlens`` entries); see that module.
 
@@ -22,8 +26,8 @@ from host integers, and host tensors reach the device by asynchronous copies (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import List, Mapping, Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
@@ -54,12 +58,15 @@ class PackedMicroBatch:
     cp_size: int
     cp_rank: int
     total_tokens: int
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)  # ``[1, T_local]`` each
 
     def to(self, device: torch.device) -> "PackedMicroBatch":
         """The same micro-batch with its tensors on ``device`` (the model's device), copied
         without a host synchronisation (:func:`to_device`)."""
         names = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded")
-        return replace(self, **{name: to_device(getattr(self, name), device) for name in names})
+        moved = {name: to_device(getattr(self, name), device) for name in names}
+        extras = {name: to_device(value, device) for name, value in self.extras.items()}
+        return replace(self, **moved, extras=extras)
 
     @property
     def num_local_tokens(self) -> int:
@@ -146,20 +153,24 @@ def unzigzag(
     return gathered.index_select(dim, torch.argsort(order).to(gathered.device))
 
 
-def _check_sample(index: int, sample: Sample) -> int:
+def _check_sample(index: int, sample: Sample, extra_fields: Tuple[str, ...] = ()) -> int:
     """Length of a sample; raises ``ValueError`` on missing fields or unequal lengths."""
-    for name in FIELDS[:3]:
+    for name in (*FIELDS[:3], *extra_fields):
         if name not in sample:
-            raise ValueError(f"sample {index} lacks '{name}' (needs tokens, labels, loss_mask)")
-    lengths = {name: int(sample[name].numel()) for name in FIELDS if name in sample}
+            needs = ", ".join((*FIELDS[:3], *extra_fields))
+            raise ValueError(f"sample {index} lacks '{name}' (needs {needs})")
+    names = (*FIELDS, *extra_fields)
+    lengths = {name: int(sample[name].numel()) for name in names if name in sample}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"sample {index}: fields differ in length: {lengths}")
     return lengths["tokens"]
 
 
-def _pad_sample(sample: Sample, length: int, padded: int) -> dict[str, torch.Tensor]:
-    """One sample's four fields padded to ``padded`` tokens (padding carries no loss), on the
-    sample's device."""
+def _pad_sample(
+    sample: Sample, length: int, padded: int, extra_fields: Tuple[str, ...] = ()
+) -> Dict[str, torch.Tensor]:
+    """One sample's four fields (and its ``extra_fields``, padded with 0) padded to ``padded``
+    tokens (padding carries no loss), on the sample's device."""
     extra = padded - length
     positions = sample.get("position_ids")
     if positions is None:
@@ -169,6 +180,7 @@ def _pad_sample(sample: Sample, length: int, padded: int) -> dict[str, torch.Ten
         "labels": _pad(sample["labels"].reshape(-1).long(), extra, 0),
         "loss_mask": _pad(sample["loss_mask"].reshape(-1).float(), extra, 0),
         "position_ids": _continued(positions.reshape(-1).long(), length, padded),
+        **{name: _pad(sample[name].reshape(-1).long(), extra, 0) for name in extra_fields},
     }
 
 
@@ -189,11 +201,13 @@ def _cumulative(lengths: Sequence[int]) -> List[int]:
     return cumulative
 
 
-def _padding_only(padded: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _padding_only(
+    padded: int, device: torch.device, extra_fields: Tuple[str, ...] = ()
+) -> Dict[str, torch.Tensor]:
     """A sequence of ``padded`` padding tokens and no real one, no loss, on ``device``: the
     stand-in of an empty group, or a pack's dummy tail."""
-    empty = {name: torch.zeros(0, device=device) for name in FIELDS[:3]}
-    return _pad_sample(empty, length=0, padded=padded)
+    empty = {name: torch.zeros(0, device=device) for name in (*FIELDS[:3], *extra_fields)}
+    return _pad_sample(empty, 0, padded, extra_fields)
 
 
 def _device_of(samples: Sequence[Sample]) -> torch.device:
@@ -207,26 +221,30 @@ def pack_samples(
     cp_rank: int,
     pad_multiple: int,
     padding: PackPadding = NO_PADDING,
+    extra_fields: Sequence[str] = (),
 ) -> PackedMicroBatch:
     """Pack ``samples`` (dicts of equal-length 1-D tensors: ``tokens``, ``labels``,
-    ``loss_mask``, optionally ``position_ids``) as THD and keep rank ``cp_rank``'s zigzag share of
-    a CP group of size ``cp_size``. ``pad_multiple`` comes from ``padding_multiple``; ``padding``
-    pads the whole pack (default: nothing more)."""
+    ``loss_mask``, optionally ``position_ids``, and the integer ``extra_fields``) as THD and keep
+    rank ``cp_rank``'s zigzag share of a CP group of size ``cp_size``. ``pad_multiple`` comes
+    from ``padding_multiple``; ``padding`` pads the whole pack (default: nothing more)."""
     _check_layout(cp_size, cp_rank, pad_multiple)
-    lengths = [_check_sample(index, sample) for index, sample in enumerate(samples)]
+    extra_fields = tuple(extra_fields)
+    lengths = [_check_sample(index, sample, extra_fields) for index, sample in enumerate(samples)]
     kept = [(s, n) for s, n in zip(samples, lengths) if n > 0]
     device = _device_of([s for s, _ in kept])
-    padded = [_pad_sample(s, n, padded_length(n, pad_multiple)) for s, n in kept]
+    padded = [_pad_sample(s, n, padded_length(n, pad_multiple), extra_fields) for s, n in kept]
     real = [n for _, n in kept]
     if not padded:
-        padded, real = [_padding_only(pad_multiple, device)], [0]
-    _pad_tail(padded, real, cp_size, padding, device)
+        padded, real = [_padding_only(pad_multiple, device, extra_fields)], [0]
+    _pad_tail(padded, real, cp_size, padding, device, extra_fields)
     bounds = _cumulative([int(p["tokens"].numel()) for p in padded])  # host integers
     local = local_token_indices(torch.tensor(bounds, dtype=torch.int32), cp_size, cp_rank)
     index = to_device(local, device)
-    fields = {name: torch.cat([p[name] for p in padded])[index].unsqueeze(0) for name in FIELDS}
+    names = (*FIELDS, *extra_fields)
+    fields = {name: torch.cat([p[name] for p in padded])[index].unsqueeze(0) for name in names}
     return PackedMicroBatch(
-        **fields,
+        **{name: fields.pop(name) for name in FIELDS},
+        extras=fields,
         cu_seqlens=_fixed(_cumulative(real), padding),
         cu_seqlens_padded=_fixed(bounds, padding),
         max_seqlen=max(end - start for start, end in zip(bounds, bounds[1:])),
@@ -237,7 +255,12 @@ def pack_samples(
 
 
 def _pad_tail(
-    padded: list, real: list, cp_size: int, padding: PackPadding, device: torch.device
+    padded: list,
+    real: list,
+    cp_size: int,
+    padding: PackPadding,
+    device: torch.device,
+    extra_fields: Tuple[str, ...] = (),
 ) -> None:
     """Add the tail ``padding`` asks for to the global layout (before CP slicing, so each rank
     of the group receives ``tail / cp_size`` of it): a dummy sequence or a longer last one, on
@@ -252,13 +275,13 @@ def _pad_tail(
     if not tail:
         return
     if padding.tail_policy == "append_dummy_seq":
-        padded.append(_padding_only(tail, device))
+        padded.append(_padding_only(tail, device, extra_fields))
         real.append(0)
     else:
         last = padded[-1]
         length = int(last["tokens"].numel())
         padded[-1] = {
-            **{name: _pad(last[name], tail, 0) for name in FIELDS[:3]},
+            **{name: _pad(last[name], tail, 0) for name in (*FIELDS[:3], *extra_fields)},
             "position_ids": _continued(last["position_ids"], length, length + tail),
         }
 

@@ -13,7 +13,9 @@ from typing import Any, Callable, Tuple
 import torch
 
 from megatron_dcp.integration.cpu import backend, gdn_kernels, mamba_kernels
+from megatron_dcp.integration.cpu.core_attention import ReferenceCoreAttention
 from megatron_dcp.integration.cpu.hybrid_stack import THD_INDICES, local_norm
+from megatron_dcp.integration.cpu.vision_norms import with_local_vit_norms
 from megatron_dcp.integration.cpu.parallel import (
     clip_grad_by_total_norm_cpu,
     cuda_type_names,
@@ -132,6 +134,36 @@ GDN_KERNEL_PATCHES: Tuple[Patch, ...] = (
     ),
 )
 
+_LLAVA = "megatron.core.models.multimodal.llava_model"
+_LLAVA_ATTENTION = (
+    "LLaVAModel asserts Transformer Engine's attention (and TE >= 1.10) when its language model "
+    "has CP or sequence parallelism; the CPU backend's language spec has the reference "
+    "attention, the oracle of TE's (DCP micro-batches never reach LLaVA's TE-only sharding)."
+)
+LLAVA_ATTENTION_PATCHES: Tuple[Entry, ...] = (
+    *(
+        Patch(
+            f"llava_{name}", "cpu_backend", (f"{_LLAVA}:{name}",), _LLAVA_ATTENTION, replace, NO_CUDA
+        )
+        for name, replace in (
+            ("HAVE_TE", _stand_in(True)),
+            ("TEDotProductAttention", _stand_in(ReferenceCoreAttention)),
+            ("is_te_min_version", _stand_in(lambda version, check_equality=True: True)),
+        )
+    ),
+    Patch(
+        "clip_vit_local_norm",
+        "cpu_backend",
+        ("megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__",),
+        "Without Transformer Engine, CLIPViTModel's default norms are torch.nn.LayerNorm, which "
+        "its own build_module call cannot construct (it passes config=): megatron's local norm "
+        "(TENorm's signature) instead, unless the caller names one.",
+        lambda owner, original: with_local_vit_norms(original),
+        NO_CUDA,
+    ),
+)
+
+
 CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
     ModePatch(
         "cuda_devices_to_cpu",
@@ -231,6 +263,7 @@ CPU_BACKEND_PATCHES: Tuple[Entry, ...] = (
     ),
     *MAMBA_KERNEL_PATCHES,
     *GDN_KERNEL_PATCHES,
+    *LLAVA_ATTENTION_PATCHES,
 )
 
 

@@ -52,3 +52,21 @@ def global_loss(reports: Sequence[Dict[str, torch.Tensor]]) -> Tuple[float, int]
     last = dist.get_process_group_ranks(pp_group)[-1]
     dist.broadcast(total, src=last, group=pp_group)
     return total[0].item(), int(total[1].item())
+
+
+def vlm_forward_step(data_iterator: Iterator[Dict[str, Any]], model: Any) -> Tuple[Any, Callable]:
+    """Run a vision-language model (``integration.vlm_model.DCPLLaVAModel``) on the next DCP
+    micro-batch: its text in combined coordinates, its image tiles and their slots."""
+    batch = next(data_iterator)
+    output, _ = model(
+        images=batch["images"],
+        input_ids=batch["tokens"],
+        position_ids=batch["position_ids"],
+        attention_mask=None,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        packed_seq_params=batch["packed_seq_params"],
+        vision_slot=batch["vision_slot"],
+        vision_share=batch["vision_share"],
+    )
+    return output, partial(per_token_loss, batch["loss_mask"])
