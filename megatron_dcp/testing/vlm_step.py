@@ -40,15 +40,16 @@ def vlm_dcp_step(
     scheduler: str = "default_dynamic_cp",
     budget: int = 64,
     options: Optional[TinyVLMOptions] = None,
+    routing: str = "auto",
 ) -> VLMStepResult:
     """One forward-backward of ``samples`` (the global batch, split evenly over DP ranks) through
     the DCP wrapper with the tiny LLaVA in a TP × CP layout (sequence parallelism as
-    ``options.language`` says)."""
+    ``options.language`` says), samples and tiles routed by ``routing`` (``--dcp-routing``)."""
     options = options or TinyVLMOptions()
     init_model_parallel(tp, 1, cp, None, options.language)
     apply_patches()
     model = build_tiny_vlm(tp, cp, options)
-    dcp = DCPConfig.for_model(model.config, budget, scheduler=scheduler)
+    dcp = DCPConfig.for_model(model.config, budget, scheduler=scheduler, routing=routing)
     wrapper = build_forward_backward(model.config, dcp, vision=options.spec)
     local = local_share(samples)
     losses = wrapper(
