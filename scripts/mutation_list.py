@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mutation_list_rl import RL_MODEL_MUTANTS
 from mutation_list_tools import CHECK_MUTANTS, COST_MUTANTS
+from mutation_list_vlm import VLM_MUTANTS
 from mutation_types import PATCHES, Mutant
 
 
@@ -500,5 +501,5 @@ VALIDATION_MUTANTS = (
 
 MUTANTS = (
     RUNTIME_MUTANTS + PATCH_MUTANTS + LOSS_MUTANTS + RL_MODEL_MUTANTS + VALIDATION_MUTANTS
-    + CHECK_MUTANTS + COST_MUTANTS
+    + CHECK_MUTANTS + COST_MUTANTS + VLM_MUTANTS
 )  # fmt: skip

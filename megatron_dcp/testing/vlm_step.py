@@ -23,11 +23,13 @@ from megatron_dcp.testing.vlm import TinyVLMOptions, build_tiny_vlm
 @dataclass(frozen=True)
 class VLMStepResult:
     """One rank's :class:`DCPStepResult`, the tiles each rank of the domain encoded (domain
-    position order), the tiles of the batch, and the model's parts (module class names)."""
+    position order), the tiles of the batch, the most samples with images one CP group packed,
+    and the model's parts (module class names)."""
 
     step: DCPStepResult
     encoder_tiles: Tuple[int, ...]
     batch_tiles: int
+    image_samples_per_group: int
     parts: Tuple[str, ...]
 
 
@@ -71,8 +73,13 @@ def vlm_dcp_step(
         parallel_layout(),
     )
     encoded = _domain_tiles(stats.encoder_tiles, wrapper.domain_group)
-    batch_tiles = sum(int(s["images"].shape[0]) for s in samples)
-    return VLMStepResult(step, encoded, batch_tiles, _parts(model))
+    tiles = [int(s["images"].shape[0]) for s in samples]
+    packed = max(
+        sum(1 for i in group.sample_ids if tiles[i])
+        for microbatch in wrapper.plan.microbatches
+        for group in microbatch.groups
+    )
+    return VLMStepResult(step, encoded, sum(tiles), packed, _parts(model))
 
 
 def _domain_tiles(local: int, domain_group: object) -> Tuple[int, ...]:

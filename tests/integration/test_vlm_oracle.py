@@ -46,8 +46,8 @@ def reference(samples):
     return vlm_reference(samples, OPTIONS)
 
 
-def run_step(samples, world, tp=1, cp=2, scheduler="default_dynamic_cp", **kwargs):
-    step = partial(vlm_dcp_step, tp=tp, cp=cp, scheduler=scheduler, budget=BUDGET, **kwargs)
+def run_step(samples, world, tp=1, cp=2, scheduler="default_dynamic_cp", budget=BUDGET, **kwargs):
+    step = partial(vlm_dcp_step, tp=tp, cp=cp, scheduler=scheduler, budget=budget, **kwargs)
     return run_distributed(step, world, samples, timeout_s=240)
 
 
@@ -81,6 +81,14 @@ def test_vlm_dcp_step_equals_llava_alone(tp, cp, world, options, samples, refere
     results = run_step(samples, world, tp=tp, cp=cp, options=options)
     layout = Layout(tp=tp, pp=1, dp=world // (tp * cp), cp=cp)
     assert_equals_reference(results, reference, layout, mix_of={4})
+
+
+def test_groups_packing_several_samples_with_images(samples, reference):
+    """dp1·cp2 with budget 64: CP groups pack several samples with images, so the image slots
+    of a pack's later samples follow the tokens of the images before them."""
+    results = run_step(samples, 2, cp=2, budget=64)
+    assert_equals_reference(results, reference, Layout(tp=1, pp=1, dp=1, cp=2))
+    assert all(result.image_samples_per_group >= 2 for result in results)
 
 
 def test_static_cp_equals_llava_alone(samples, reference):
