@@ -11,7 +11,10 @@
 - both plus ``sequence · n`` for the ``n`` sequences of the pack: what every rank of a group
   pays per sequence whatever its length, in layers that loop over a pack's sequences (on the
   CPU backend, megatron's unfused THD RoPE and the reference attention; 0 on GPU profiles,
-  whose fused kernels take a whole pack at once).
+  whose fused kernels take a whole pack at once);
+- both plus ``vision · Σ P / c`` for vision-language samples: a sample's ``P`` encoder patches
+  (its images' tiles × patches per tile) are encoded once per group, split evenly over its
+  ``c`` ranks (0 for text, and with ``vision`` = 0 every cost is the text-only one, bit for bit).
 
 ``η`` (``cp_efficiency`` ≤ 1) is how well attention kernels keep their speed on ring chunks;
 ``comm`` is the exposed (not overlapped) cost of one token's K/V exchange; ``ring_step`` is the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Tuple, Union
 
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.hardware import (
@@ -63,10 +66,11 @@ class CostModel:
     spill: float = 0.0
     spill_elements: float = math.inf
     sequence: float = 0.0
+    vision: float = 0.0  # seconds per encoder patch (a ViT's forward and backward)
 
     def __post_init__(self) -> None:
         values = (self.linear, self.quadratic, self.comm, self.ring_step, self.microbatch)
-        values += (self.spill, self.spill_elements, self.sequence)
+        values += (self.spill, self.spill_elements, self.sequence, self.vision)
         if min(values) < 0 or self.linear + self.quadratic <= 0:
             raise ValueError(f"cost model coefficients must be ≥ 0 with a+b > 0, got {self}")
         if not 0 < self.cp_efficiency <= 1:
@@ -79,7 +83,8 @@ class CostModel:
         """Seconds per rank of training ``shape`` (default Llama-3-8B-like) on ``hardware``
         (default ``h100-nvlink``): GEMMs per token, causal attention per token pair, the exposed
         K/V exchange, the ring steps of every attention layer pass, every layer pass's fixed
-        overhead per micro-batch, and every attention layer pass's fixed cost per sequence."""
+        overhead per micro-batch, every attention layer pass's fixed cost per sequence, and the
+        vision encoder's work per patch (0 without one)."""
         s = shape or ModelShape()
         hw = hardware or hardware_profile(REFERENCE_GPU_PROFILE)
         spill, spill_elements = 0.0, math.inf
@@ -97,6 +102,8 @@ class CostModel:
             spill=spill,
             spill_elements=spill_elements,
             sequence=s.ring_passes() * hw.sequence_pass_overhead,
+            vision=s.vision_linear_flops() / (hw.peak_flops * hw.gemm_efficiency)
+            + s.vision_attention_flops() / (hw.peak_flops * hw.attention_efficiency),
         )
 
     @classmethod
@@ -127,6 +134,15 @@ class CostModel:
         cost = self.work(seqlen) / cp_size + self.overhead(seqlen, cp_size) + self.sequence
         return cost + self.spill * self.spilled(seqlen, cp_size) if self.spill else cost
 
+    def sample_cost(self, seqlen: int, patches: int, cp_size: int) -> float:
+        """:meth:`per_rank` of a sample with ``patches`` encoder patches: its share of the
+        vision encoder's work, ``vision · patches / cp_size``, added (exactly ``per_rank``
+        without patches or without a vision coefficient)."""
+        cost = self.per_rank(seqlen, cp_size)
+        if patches and self.vision:
+            return cost + self.vision * patches / cp_size
+        return cost
+
     def ring_cost(self, cp_size: int) -> float:
         """The ring steps a non-empty CP group of ``cp_size`` ranks pays once per micro-batch."""
         if cp_size <= 1:
@@ -146,27 +162,64 @@ class CostModel:
         """The same coefficients priced over the node layout ``nodes`` (None: one tier)."""
         return replace(self, nodes=nodes)
 
-    def group_cost(self, seqlens: Iterable[int], cp_size: int) -> float:
+    def group_cost(
+        self, seqlens: Iterable[int], cp_size: int, patches: Optional[Iterable[int]] = None
+    ) -> float:
         """Per-rank cost of a CP group of ``cp_size`` ranks packing ``seqlens`` in one
-        micro-batch (0 for an empty group)."""
+        micro-batch (0 for an empty group); ``patches``: each sample's encoder patches (None:
+        none), whose vision work the group's ranks share (:meth:`sample_cost`)."""
         lengths = list(seqlens)
         if not lengths:
             return 0.0
-        return sum(self.per_rank(n, cp_size) for n in lengths) + self.ring_cost(cp_size)
+        if patches is None:
+            return sum(self.per_rank(n, cp_size) for n in lengths) + self.ring_cost(cp_size)
+        pairs = zip(lengths, patches, strict=True)  # one count per sequence
+        costs = (self.sample_cost(n, p, cp_size) for n, p in pairs)
+        return sum(costs) + self.ring_cost(cp_size)
+
+
+# What prices a sample: its length, or (length, encoder patches) for one with patches.
+CostKey = Union[int, Tuple[int, int]]
 
 
 class SizeCosts(dict):
-    """Per-rank costs (:meth:`CostModel.per_rank`) on CP groups of one size keyed by length,
-    computed on first use: the hot path of planning and pricing, one table per size looked up
-    by an int (a batch repeats lengths; the values are the cost model's own, bit for bit)."""
+    """Per-rank costs (:meth:`CostModel.sample_cost`) on CP groups of one size keyed by the
+    sample's cost key (:func:`cost_keys`: its length, or ``(length, patches)`` for a sample
+    with vision work), computed on first use: the hot path of planning and pricing, one table
+    per size looked up by an int for text (a batch repeats lengths; the values are the cost
+    model's own, bit for bit)."""
 
     def __init__(self, cost: CostModel, size: int) -> None:
         super().__init__()
         self.cost, self.size = cost, size
 
-    def __missing__(self, seqlen: int) -> float:
-        value = self[seqlen] = self.cost.per_rank(seqlen, self.size)
+    def __missing__(self, key: CostKey) -> float:
+        if key.__class__ is tuple:
+            value = self[key] = self.cost.sample_cost(key[0], key[1], self.size)
+        else:
+            value = self[key] = self.cost.per_rank(key, self.size)
         return value
+
+
+def cost_keys(
+    seqlens: Sequence[int], patches: Sequence[int], cost: CostModel
+) -> Sequence[CostKey]:
+    """Each sample's cost key: its length when it has no encoder patches (or the cost model
+    no ``vision`` coefficient: then ``seqlens`` itself, the same object), ``(length, patches)``
+    otherwise. Samples of one key cost the same on every CP size."""
+    if not patches or not cost.vision or not any(patches):
+        return seqlens
+    return tuple(n if not p else (n, p) for n, p in zip(seqlens, patches))
+
+
+def key_length(key: CostKey) -> int:
+    """The length a cost key holds."""
+    return key[0] if key.__class__ is tuple else key
+
+
+def key_patches(key: CostKey) -> int:
+    """The encoder patches a cost key holds (0 for a length)."""
+    return key[1] if key.__class__ is tuple else 0
 
 
 def spilled_elements(seqlen: int, cp_size: int, cached: float) -> float:

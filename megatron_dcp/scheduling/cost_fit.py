@@ -1,11 +1,13 @@
 """Fitting the cost model to measured times: features, non-negative least squares, online
 refinement (a windowed bounded ridge fit, solved in ``ridge``) and cost-profile files.
 
-The cost of a plan is linear in eight coefficients once the CP efficiency η is folded into one
-of them: ``θ = (a, b, b/η, comm, ring_step, microbatch, spill, sequence)`` against the
+The cost of a plan is linear in nine coefficients once the CP efficiency η is folded into one
+of them: ``θ = (a, b, b/η, comm, ring_step, microbatch, spill, sequence, vision)`` against the
 :data:`FEATURES` of what a rank ran, ``(Σ L/c, Σ_{c=1} L², Σ_{c>1} L²/c, Σ_{c>1} L·(c−1)/c,
-Σ_{groups} (c−1), micro-batches, Σ max(0, L²/c − E), sequences)``; the cache size ``E`` (score
-elements) is a constant of the hardware profile, never fitted.
+Σ_{groups} (c−1), micro-batches, Σ max(0, L²/c − E), sequences, Σ P/c)`` (P a sample's
+vision-encoder patches, 0 for text); the cache size ``E`` (score elements) is a constant of the
+hardware profile, never fitted. Feature rows of eight (recorded before the vision term) read as
+rows without vision work.
 :func:`group_features` and :func:`rank_features` compute them, :func:`fit` solves for ``θ``
 (relative errors, ``θ ≥ 0``) and :func:`from_coefficients` turns ``θ`` back into a
 :class:`CostModel`. Pure Python (the same floats on every rank, in the same order).
@@ -35,7 +37,8 @@ from megatron_dcp.scheduling.topology import NodeLayout
 # (process groups created lazily, allocator and autograd warm-up).
 WARM_UP_STEPS = 1
 FEATURES = (
-    "linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch", "spill", "sequence"
+    "linear", "quadratic", "quadratic_cp", "comm", "ring_step", "microbatch", "spill", "sequence",
+    "vision",
 )  # fmt: skip
 MICROBATCH = FEATURES.index("microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
@@ -63,12 +66,14 @@ def group_features(
     cp_size: int,
     nodes: Optional[NodeLayout] = None,
     spill_elements: float = math.inf,
+    patches: Sequence[int] = (),
 ) -> Vector:
     """Features of one rank of a CP group of ``cp_size`` packing ``seqlens`` in one micro-batch
     (the micro-batch count is 0 here: :func:`rank_features` adds it). Over a node layout, a
     group that spans nodes counts its K/V and ring-step features times the layout's factors
     (the coefficients stay those of the intra-node tier). ``spill_elements``: the score elements
-    of one sequence's block that stay in cache (``CostModel.spill_elements``)."""
+    of one sequence's block that stay in cache (``CostModel.spill_elements``); ``patches``: the
+    samples' vision-encoder patches (empty: none), shared by the group's ranks (Σ P / c)."""
     lengths = list(seqlens)
     if not lengths:
         return [0.0] * len(FEATURES)
@@ -77,11 +82,13 @@ def group_features(
     squares = float(sum(n * n for n in lengths))
     spilled = sum(spilled_elements(n, c, spill_elements) for n in lengths)
     count = float(len(lengths))
+    vision = sum(patches) / c if patches else 0.0
     if c == 1:
-        return [tokens, squares, 0.0, 0.0, 0.0, 0.0, spilled, count]
+        return [tokens, squares, 0.0, 0.0, 0.0, 0.0, spilled, count, vision]
     comm, ring = (nodes.comm_factor, nodes.ring_factor) if nodes and nodes.crosses(c) else (1, 1)
     comm_feature = comm * tokens * (c - 1) / c
-    return [tokens / c, 0.0, squares / c, comm_feature, ring * (c - 1.0), 0.0, spilled, count]
+    ring_feature = ring * (c - 1.0)
+    return [tokens / c, 0.0, squares / c, comm_feature, ring_feature, 0.0, spilled, count, vision]
 
 
 def rank_features(
@@ -111,7 +118,8 @@ def microbatch_features(
             row.append([0.0] * len(FEATURES))
         for group in microbatch.groups:
             lengths = [plan.seqlens[i] for i in group.sample_ids]
-            values = group_features(lengths, group.size, nodes, spill_elements)
+            patches = [plan.patches[i] for i in group.sample_ids] if plan.patches else ()
+            values = group_features(lengths, group.size, nodes, spill_elements, patches)
             for rank in group.ranks:
                 rows[rank][-1] = list(values)
         for row in rows:
@@ -145,6 +153,7 @@ def coefficients(cost: CostModel) -> Vector:
         cost.microbatch,
         cost.spill,
         cost.sequence,
+        cost.vision,
     ]
 
 
@@ -155,8 +164,12 @@ def from_coefficients(
     spill_elements: float = math.inf,
 ) -> CostModel:
     """The cost model of ``θ``: η = b / (b/η), clamped to (0, 1] (CP attention is never faster
-    than whole-sequence attention); with no whole-sequence data (b = 0) the CP rate is the rate."""
-    a, b, b_cp, comm, ring, microbatch, spill, sequence = (max(0.0, float(x)) for x in theta)
+    than whole-sequence attention); with no whole-sequence data (b = 0) the CP rate is the rate.
+    A ``θ`` of eight (before the vision term) has no vision work."""
+    values = [*theta, *[0.0] * (len(FEATURES) - len(theta))]
+    a, b, b_cp, comm, ring, microbatch, spill, sequence, vision = (
+        max(0.0, float(x)) for x in values
+    )
     if b <= 0:
         b, eta = b_cp, 1.0
     else:
@@ -166,7 +179,7 @@ def from_coefficients(
     if math.isinf(spill_elements):
         spill = 0.0
     return CostModel(
-        a, b, comm, ring, eta, name, microbatch, nodes, spill, spill_elements, sequence
+        a, b, comm, ring, eta, name, microbatch, nodes, spill, spill_elements, sequence, vision
     )
 
 
@@ -338,6 +351,8 @@ def _scales(prior: CostModel) -> Vector:
     # calibrated profile (`calibrate` times packs of 1, 2 and 4 sequences) has its own.
     sequence = 0.0
     fallbacks = [unit, unit / 1024, unit / 1024, 0.01 * unit, 16 * unit, 16 * unit, spill, sequence]
+    # Nor one without a vision encoder (vision 0: a text model; its plans have no patches).
+    fallbacks.append(0.0)
     return [t if t > 0 else f for t, f in zip(theta, fallbacks)]
 
 
@@ -364,6 +379,7 @@ class CostProfile:
                 "spill": c.spill,
                 "spill_elements": None if math.isinf(c.spill_elements) else c.spill_elements,
                 "sequence": c.sequence,
+                "vision": c.vision,
             },
             "source": self.source,
         }
@@ -394,6 +410,7 @@ def load_profile(path: str, flag: str = "--cost-profile") -> CostProfile:
             spill=values.get("spill", 0.0),
             spill_elements=values.get("spill_elements") or math.inf,
             sequence=values.get("sequence", 0.0),  # profiles written before the term: none
+            vision=values.get("vision", 0.0),  # profiles written before the vision term: none
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from itertools import repeat
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.balance import align_microbatch_count, lpt_partition
 from megatron_dcp.scheduling.domain import Block, least_budget
-from megatron_dcp.scheduling.cost import SizeCosts
+from megatron_dcp.scheduling.cost import SizeCosts, cost_keys
 from megatron_dcp.scheduling.draft import SAMPLE_ID, Item, longest_first
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import CPGroup, MicroBatch
@@ -28,12 +28,16 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
                 min_cp=self.domain.min_cp_size,
             )
 
-    def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
+    prices_patches = True
+
+    def _schedule(self, seqlens: tuple, patches: Tuple[int, ...] = ()) -> List[MicroBatch]:
         dp, cp = self.domain.dp_size, self.domain.cp_size
-        # Every sample's cost on its CP group, memoised by length (a batch repeats lengths) for
-        # this plan: the cost model may be replaced between plans (online refinement).
+        # Every sample's cost on its CP group, memoised by cost key (its length, or its length
+        # and patches; a batch repeats lengths) for this plan: the cost model may be replaced
+        # between plans (online refinement).
         self._costs = SizeCosts(self.cost_model, cp)
-        items = list(map(Item, range(len(seqlens)), seqlens, repeat(cp)))
+        keys = cost_keys(seqlens, patches, self.cost_model)
+        items = list(map(Item, range(len(seqlens)), seqlens, repeat(cp), keys))
         self._check_fits(items)
         capacity = cp * self.domain.budget
         count = align_microbatch_count(-(-sum(seqlens) // (capacity * dp)), self._vpp)
@@ -57,7 +61,7 @@ class DPBalancedScheduler(Scheduler, name="dp_balanced"):
         return self.microbatch_group_size_per_vp_stage
 
     def _weight(self, item: Item) -> float:
-        return self._costs[item.seqlen]
+        return self._costs[item.key]
 
     def _check_fits(self, items: Sequence[Item]) -> None:
         """Every sample fits static CP; otherwise the error names the longest and the budget

@@ -4,23 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
-from megatron_dcp.scheduling.cost import CostModel
+from megatron_dcp.scheduling.cost import CostKey, CostModel, key_patches
 from megatron_dcp.scheduling.domain import Block
 from megatron_dcp.scheduling.plan import CPGroup, MicroBatch
 
 
 class Item(NamedTuple):
-    """One sample as the scheduler sees it (a tuple: tens of thousands are made per plan)."""
+    """One sample as the scheduler sees it (a tuple: tens of thousands are made per plan).
+    ``key`` is what prices it (``cost.cost_keys``): its length (the default) or, for a sample
+    with vision work, ``(length, patches)``; every per-rank cost is looked up by it."""
 
     sample_id: int
     seqlen: int
     min_cp: int
+    key: CostKey = 0
 
+
+def _new_item(cls, sample_id: int, seqlen: int, min_cp: int, key: Optional[CostKey] = None):
+    return _TUPLE_NEW(cls, (sample_id, seqlen, min_cp, seqlen if key is None else key))
+
+
+_TUPLE_NEW = tuple.__new__
+Item.__new__ = staticmethod(_new_item)  # type: ignore[method-assign]  # key defaults to seqlen
 
 SEQLEN = attrgetter("seqlen")
 SAMPLE_ID = attrgetter("sample_id")
+KEY = attrgetter("key")
 
 
 @dataclass(eq=False, slots=True)
@@ -47,10 +58,10 @@ class GroupDraft:
         return item.min_cp <= self.size and self.tokens + item.seqlen <= self.size * budget
 
     def add(self, item: Item, cost: CostModel) -> None:
-        self.push(item, cost.per_rank(item.seqlen, self.size))
+        self.push(item, cost.sample_cost(item.seqlen, key_patches(item.key), self.size))
 
     def remove(self, item: Item, cost: CostModel) -> None:
-        self.pop(item, cost.per_rank(item.seqlen, self.size))
+        self.pop(item, cost.sample_cost(item.seqlen, key_patches(item.key), self.size))
 
     def push(self, item: Item, load: float) -> None:
         """Add ``item`` whose per-rank cost on this group is ``load`` (precomputed: hot path);

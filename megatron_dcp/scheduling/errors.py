@@ -28,6 +28,7 @@ PARAMETERS: Mapping[str, str] = {
     "batch": "more sequences in the batch",
     "max_seqlen": "shorter sequences",
     "max_samples": "max_samples_per_group",
+    "patches": "patches",
 }
 
 

@@ -1,12 +1,16 @@
 """The lower bound of a plan's critical path, from the lengths alone.
 
-``batch_lower_bound(seqlens, domain, cost, vpp) = (Σ_i W_i + R + I) / N + K · microbatch``:
+``batch_lower_bound(seqlens, domain, cost, vpp, patches) = (Σ_i W_i + V + R + I) / N +
+K · microbatch``:
 
 - ``W_i = min_{c ≥ c_i} c · per_rank(L_i, c)``, sample i's least cost summed over its ranks
   on any CP size it may take. Without score spill that is its minimum CP size ``c_i``: a
   sample's total cost ``a·L + b·L²/η + comm·L·(c−1)`` never falls as c grows (η ≤ 1,
   comm ≥ 0; over nodes, comm only grows once c crosses a node). The spill term
   ``c · spill · max(0, L²/c − E)`` does fall with c, hence the minimum over sizes.
+- ``V = Σ_i vision · P_i``, the vision encoder's work of the samples' ``P_i`` patches summed
+  over ranks: a sample on c ranks costs each of them ``vision · P_i / c`` more, whatever c, so
+  its ranks together always pay ``vision · P_i`` (0 without patches).
 - ``K``, the fewest micro-batches: the tokens need ⌈Σ L / (N · budget)⌉ (at least one when
   there is a sample), rounded up to a multiple of the VPP group size.
 - ``R ≤`` the ring steps every plan pays, summed over ranks: a group of c ranks that holds a
@@ -33,8 +37,10 @@
   minimum CP size is N/2 takes half the domain; where no other such sample takes the other half
   of its micro-batch, that half holds only groups of shorter samples, whose per-rank cost the
   token budget caps below the sample's (or it takes the whole domain and pays its CP overhead).
-- every micro-batch's most-loaded rank carries at least the micro-batch's mean load: the work,
-  the ring steps and the idle time of its ranks over N.
+  Vision work is not capped by tokens: the other half may carry up to all of ``V``, so the idle
+  charge is lowered by ``V`` (never below 0).
+- every micro-batch's most-loaded rank carries at least the micro-batch's mean load: the work
+  (vision included), the ring steps and the idle time of its ranks over N.
 
 ``static_cp_lower_bound`` bounds the static-CP plan (``dp_balanced``) alone, every sample on a
 group of exactly ``cp_size`` ranks: what lets DCP skip building that plan where it cannot win.
@@ -50,7 +56,7 @@ import math
 from collections import Counter
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.cost import CostModel, SizeCosts
+from megatron_dcp.scheduling.cost import CostModel, SizeCosts, cost_keys
 from megatron_dcp.scheduling.domain import Domain, is_power_of_two
 from megatron_dcp.scheduling.group_count_bound import group_count_ring
 
@@ -59,11 +65,17 @@ Share = Tuple[float, float]
 
 
 def batch_lower_bound(
-    seqlens: Sequence[int], domain: Domain, cost: CostModel, vpp: Optional[int] = None
+    seqlens: Sequence[int],
+    domain: Domain,
+    cost: CostModel,
+    vpp: Optional[int] = None,
+    patches: Sequence[int] = (),
 ) -> float:
-    """The lower bound of the module docstring for these lengths (sample id = index)."""
+    """The lower bound of the module docstring for these lengths (sample id = index) and encoder
+    ``patches`` (empty: none)."""
     if not seqlens:
         return 0.0
+    vision = vision_work(patches, cost)
     shares = ring_shares(domain, cost)
     counts = Counter(seqlens)  # a batch repeats lengths
     degree = domain.cp_degrees(counts)
@@ -83,16 +95,30 @@ def batch_lower_bound(
     count = fewest_microbatches(seqlens, domain, vpp)
     covered = coverage_ring(len(seqlens), count, domain.size, cost)
     ring = max(shared, covered, group_count_ring(counts, domain, cost, count, degree))
-    idle = unpaired_half_idle(counts, domain, cost, degree)
+    idle = unpaired_half_idle(counts, domain, cost, degree, vision)
+    if vision:
+        work += vision
     return (work + ring + idle) / domain.size + cost.microbatch * count
 
 
+def vision_work(patches: Sequence[int], cost: CostModel) -> float:
+    """``V = Σ_i vision · P_i``: the vision encoder's work of the samples, summed over ranks."""
+    if not patches or not cost.vision:
+        return 0.0
+    return sum(cost.vision * p for p in patches if p)
+
+
 def static_cp_lower_bound(
-    seqlens: Sequence[int], domain: Domain, cost: CostModel, vpp: Optional[int] = None
+    seqlens: Sequence[int],
+    domain: Domain,
+    cost: CostModel,
+    vpp: Optional[int] = None,
+    patches: Sequence[int] = (),
 ) -> float:
     """No static-CP plan of ``seqlens`` (``dp_balanced``: every sample on one of the ``dp_size``
     groups of exactly ``c = cp_size`` ranks) has a shorter critical path than
-    ``Σ_i per_rank(L_i, c) / dp + K · (ring_cost(c) + microbatch)``, K the fewest micro-batches.
+    ``Σ_i per_rank(L_i, c) / dp + K · (ring_cost(c) + microbatch)``, K the fewest micro-batches
+    (with ``patches``, ``per_rank`` is each sample's ``CostModel.sample_cost``, vision included).
 
     Proof: ``dp_balanced`` tries micro-batch counts from K up (:func:`fewest_microbatches`: its
     bins of c·budget tokens, dp per micro-batch, hold N·budget tokens, its count is a multiple
@@ -106,7 +132,8 @@ def static_cp_lower_bound(
     if not seqlens:
         return 0.0
     costs = SizeCosts(cost, domain.cp_size)
-    work = sum(costs[seqlen] for seqlen in seqlens) / domain.dp_size
+    keys = cost_keys(seqlens, patches, cost)
+    work = sum(costs[key] for key in keys) / domain.dp_size
     fixed = cost.ring_cost(domain.cp_size) + cost.microbatch
     return work + fewest_microbatches(seqlens, domain, vpp) * fixed
 
@@ -141,6 +168,7 @@ def unpaired_half_idle(
     domain: Domain,
     cost: CostModel,
     degree: Optional[Mapping[int, int]] = None,
+    vision: float = 0.0,
 ) -> float:
     """Least idle time (or CP overhead) summed over ranks that an odd count of *half-domain*
     samples (:func:`is_half_domain`: minimum CP size N/2, N a power of two, more than N/4 ·
@@ -162,7 +190,14 @@ def unpaired_half_idle(
     Samples in (b) come two to a micro-batch, so with an odd count one sample at least is in (a)
     or (c): it is charged the lesser of the two, and the least charge over the samples is the
     bound. Work, ring steps and idle time are disjoint parts of the ranks' time, so the charge
-    adds to ``Σ W_i + R``."""
+    adds to ``Σ W_i + V + R``.
+
+    With vision work (``vision``: V, summed over ranks; :func:`batch_lower_bound`), a rank r of
+    the other half in (c) carries at most ``G + v_r``, v_r its vision work, which no token
+    budget caps; s's own group carries its share of s's vision work on top of the peak above
+    (≥ 0). The half then idles at least ``N/2 · (peak − G) − Σ_r v_r ≥ N/2 · (peak − G) − V``:
+    (c) is charged ``max(0, N/2 · (peak − G) − V)``. (a) is unchanged: s's vision work is the
+    same on N ranks as on any. ``vision`` = 0 is the text-only charge, bit for bit."""
     half = domain.size // 2
     if not is_power_of_two(domain.size) or half not in domain.group_sizes:
         return 0.0
@@ -177,7 +212,12 @@ def unpaired_half_idle(
         whole = domain.size * cost.per_rank(length, domain.size)
         overhead = whole - least_work(cost, length, half, domain.group_sizes)
         alone = cost.per_rank(length, half) + cost.ring_cost(half)
-        idle = math.inf if cap is None else half * max(0.0, alone - cap)
+        if cap is None:
+            idle = math.inf
+        elif vision:
+            idle = max(0.0, half * (alone - cap) - vision)
+        else:
+            idle = half * max(0.0, alone - cap)
         charges.append(min(overhead, idle))
     return max(0.0, min(charges))
 

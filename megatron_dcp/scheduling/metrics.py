@@ -1,12 +1,13 @@
 """Plan metrics, the one definition every tool and log line uses: per-rank loads and tokens of
 a micro-batch, the critical path of a plan (Σ over micro-batches of the most-loaded rank's cost),
-its lower bound, and the load imbalance of a micro-batch."""
+its lower bound, and the load imbalance of a micro-batch. Every cost includes the vision work of
+the plan's samples (``Plan.patches``, priced by ``CostModel.vision``)."""
 
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from megatron_dcp.scheduling.cost import CostModel, SizeCosts
+from megatron_dcp.scheduling.cost import CostModel, SizeCosts, cost_keys
 from megatron_dcp.scheduling.lower_bound import batch_lower_bound
 from megatron_dcp.scheduling.plan import CPGroup, MicroBatch, Plan
 
@@ -14,8 +15,11 @@ from megatron_dcp.scheduling.plan import CPGroup, MicroBatch, Plan
 def rank_loads(plan: Plan, microbatch: MicroBatch, cost: CostModel) -> List[float]:
     """Per-position cost of one micro-batch."""
     loads = [0.0] * plan.domain.size
+    patches = plan.patches or None
     for group in microbatch.groups:
-        load = cost.group_cost((plan.seqlens[i] for i in group.sample_ids), group.size)
+        ids = group.sample_ids
+        counts = None if patches is None else [patches[i] for i in ids]
+        load = cost.group_cost((plan.seqlens[i] for i in ids), group.size, counts)
         for rank in group.ranks:
             loads[rank] = load
     return loads
@@ -33,10 +37,11 @@ def rank_tokens(plan: Plan, microbatch: MicroBatch) -> List[float]:
 def critical_path(plan: Plan, cost: CostModel) -> float:
     """Σ over micro-batches of the most-loaded rank's cost, plus every micro-batch's fixed cost.
     A rank's cost is its group's (:func:`rank_loads`, ``CostModel.group_cost``), summed in the
-    same order from per-rank costs memoised by length (:class:`SizeCosts`): the same value, bit
-    for bit, without a list of N loads per micro-batch (the planner prices plans of N = 4,096)."""
+    same order from per-rank costs memoised by cost key (:class:`SizeCosts`: the length, or the
+    length and patches): the same value, bit for bit, without a list of N loads per micro-batch
+    (the planner prices plans of N = 4,096)."""
     tables: Dict[int, SizeCosts] = {}
-    seqlens = plan.seqlens
+    seqlens = cost_keys(plan.seqlens, plan.patches, cost)
 
     def group_load(group: CPGroup) -> float:
         if not group.sample_ids:
@@ -56,7 +61,7 @@ def lower_bound(plan: Plan, cost: CostModel) -> float:
     """No plan of these lengths over this domain (and VPP group size) has a shorter critical
     path: ``lower_bound.batch_lower_bound``, whose docstring gives the bound and its proof."""
     return batch_lower_bound(
-        plan.seqlens, plan.domain, cost, plan.microbatch_group_size_per_vp_stage
+        plan.seqlens, plan.domain, cost, plan.microbatch_group_size_per_vp_stage, plan.patches
     )
 
 

@@ -16,6 +16,12 @@ each value head to the query/key head size before core attention (megatron-core'
 kernels that need equal head sizes), so its L² core and its ring exchange move K and the padded V
 at the query/key head size, for every head (MLA has no key/value groups).
 
+A vision-language model (megatron-core's LLaVA) adds a ViT encoder (``vision_layers`` layers of
+width ``vision_hidden``, MLP ``vision_ffn_hidden``, ``vision_patches_per_tile`` patches per tile,
+class tokens included): its work is per encoder patch, not per token of the language model
+(``vision_flops_per_patch``), and each tile's patches attend to each other only (bidirectional,
+no causal mask), so the attention core costs per patch in proportion to the tile's patches.
+
 The counts follow the usual 2 FLOPs per multiply-accumulate, and training costs three forward
 passes (forward, and a backward of twice the forward). Everything is divided by the TP size:
 GEMMs are sharded by columns and rows, attention by heads.
@@ -121,10 +127,20 @@ class ModelShape:
     latent_attention: Optional[LatentAttention] = None
     mtp_depth: int = 0
     tp_size: int = 1
+    # Vision encoder (a ViT, as megatron-core's LLaVA): layers (0: no encoder), width, MLP size
+    # (None: 4 × width), patches per tile (class tokens included), gated (SwiGLU) MLP or not.
+    vision_layers: int = 0
+    vision_hidden: int = 1024
+    vision_ffn_hidden: Optional[int] = None
+    vision_patches_per_tile: int = 577
+    vision_gated_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.hidden_size < 1 or self.num_layers < 0:
             raise ValueError(f"ModelShape needs positive sizes, got {self}")
+        vision = (self.vision_layers, self.vision_hidden - 1, self.vision_patches_per_tile - 1)
+        if min(vision) < 0 or (self.vision_ffn_hidden or 0) < 0:
+            raise ValueError(f"ModelShape needs non-negative vision encoder sizes, got {self}")
 
     @property
     def head_dim(self) -> int:
@@ -232,3 +248,28 @@ class ModelShape:
         """Layer passes per micro-batch (forward and backward of every layer)."""
         layers = self.num_attention_layers + self.num_mlp_layers + self.moe_layers
         return 2 * (layers + self.mamba_layers + self.gdn_layers + 2 * self.mtp_depth)
+
+    def vision_linear_flops(self) -> float:
+        """Training FLOPs per encoder patch of the ViT's GEMMs, per TP rank: per layer the Q, K,
+        V and output projections (full multi-head attention, 2·h·4h) and the MLP (two GEMMs,
+        three when gated). 0 without an encoder."""
+        if not self.vision_layers:
+            return 0.0
+        h = self.vision_hidden
+        ffn = self.vision_ffn_hidden or 4 * h
+        layer = 2.0 * h * 4 * h + 2.0 * (3 if self.vision_gated_mlp else 2) * h * ffn
+        return TRAIN_FACTOR * self.vision_layers * layer / self.tp_size
+
+    def vision_attention_flops(self) -> float:
+        """Training FLOPs per encoder patch of the ViT's attention core, per TP rank: QKᵀ and AV
+        over the tile's own patches, 4·h per (patch, patch) pair, every pair (no causal mask).
+        0 without an encoder."""
+        if not self.vision_layers:
+            return 0.0
+        pairs = self.vision_patches_per_tile
+        return TRAIN_FACTOR * self.vision_layers * 4.0 * self.vision_hidden * pairs / self.tp_size
+
+    def vision_flops_per_patch(self) -> float:
+        """Training (forward + backward) FLOPs of the vision encoder per patch, per TP rank:
+        :meth:`vision_linear_flops` + :meth:`vision_attention_flops` (0 without an encoder)."""
+        return self.vision_linear_flops() + self.vision_attention_flops()

@@ -67,6 +67,9 @@ class Plan:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     # The most samples one CP group of a micro-batch may hold (None: no cap).
     max_samples_per_group: Optional[int] = None
+    # Each sample's vision-encoder patches (a VLM's images; empty: none): the cost model's
+    # ``vision`` term prices them. ``Scheduler.schedule`` stores none when every count is 0.
+    patches: Tuple[int, ...] = ()
 
     @property
     def num_microbatches(self) -> int:
@@ -80,12 +83,16 @@ class Plan:
         return dict(sorted(counts.items()))
 
     def digest(self) -> int:
-        """A 63-bit digest of the plan (lengths, micro-batches, VPP group size): equal on every
-        rank that holds the same plan, whatever the process (no salted ``hash``)."""
+        """A 63-bit digest of the plan (lengths, micro-batches, VPP group size, and the patches
+        when there are any: a plan without them keeps its digest): equal on every rank that
+        holds the same plan, whatever the process (no salted ``hash``)."""
         values = array("q", self.seqlens)
         values.append(self.microbatch_group_size_per_vp_stage or 0)
         for microbatch in self.microbatches:  # the ids name the lengths: hashed once above
             _append_microbatch(values, microbatch)
+        if self.patches:
+            values.append(-len(self.patches))  # no micro-batch encoding holds a negative value
+            values.extend(self.patches)
         return _digest(values)
 
     def microbatch_digests(self) -> Tuple[int, ...]:
@@ -97,6 +104,7 @@ class Plan:
     def validate(self) -> "Plan":
         """Raise :class:`InvalidPlanError` on any violated invariant; return ``self`` otherwise."""
         self._check_coverage()
+        self._check_patches()
         blocks: Set[Tuple[int, ...]] = set()  # the rank tuples already seen to be group blocks
         for index, microbatch in enumerate(self.microbatches):
             self._check_microbatch(index, microbatch, blocks)
@@ -115,6 +123,17 @@ class Plan:
             raise InvalidPlanError(
                 f"every sample must appear exactly once: missing {missing}, extra/duplicated {extra}"
             )
+
+    def _check_patches(self) -> None:
+        """``patches`` is empty or one non-negative count per sample."""
+        if not self.patches:
+            return
+        if len(self.patches) != len(self.seqlens):
+            raise InvalidPlanError(
+                f"patches holds {len(self.patches)} counts for {len(self.seqlens)} samples"
+            )
+        if min(self.patches) < 0:
+            raise InvalidPlanError(f"patches must be non-negative, got {min(self.patches)}")
 
     def _check_microbatch(
         self, index: int, microbatch: MicroBatch, blocks: Set[Tuple[int, ...]]

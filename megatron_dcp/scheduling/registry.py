@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import gc
+import operator
 from contextlib import contextmanager
-from typing import ClassVar, Dict, Iterable, Iterator, List, Optional, Type
+from typing import ClassVar, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type
 
 from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.domain import Domain
@@ -22,9 +23,15 @@ class Scheduler:
     implement :meth:`_schedule` and may assume non-empty, validated lengths.
     ``max_samples_per_group`` caps the samples of one CP group of a micro-batch (None: no cap);
     :meth:`schedule` holds every scheduler's plan to it (``scheduling.sample_cap``).
+
+    A scheduler that prices vision work sets ``prices_patches`` and implements
+    ``_schedule(seqlens, patches)`` (``patches``: one count per sample, not all 0); the others
+    are called as ``_schedule(seqlens)`` and plan blind to the patches (their plans still carry
+    them, so every figure prices them).
     """
 
     name: ClassVar[str] = ""
+    prices_patches: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str = "", **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -53,26 +60,69 @@ class Scheduler:
         )
         self.cost_model = cost_model or CostModel.from_model_shape()
 
-    def schedule(self, seqlens: Iterable[int]) -> Plan:
-        """Plan one global batch; sample id = index in ``seqlens``. Deterministic in its input."""
+    def schedule(
+        self, seqlens: Iterable[int], patches: Optional[Iterable[int]] = None
+    ) -> Plan:
+        """Plan one global batch; sample id = index in ``seqlens``. ``patches``: each sample's
+        vision-encoder patches (None: a text batch; all 0 is the same, and the plan then holds
+        none). Deterministic in its input."""
         lengths = self.domain.check_seqlens(seqlens)
+        counts = check_patches(patches, len(lengths))
         with collector_paused():
-            microbatches = self._schedule(lengths) if lengths else []
+            microbatches = self._plan_part(lengths, counts) if lengths else []
             if self.max_samples_per_group is not None:
-                microbatches = capped(
-                    microbatches, lengths, self.max_samples_per_group, self._schedule
-                )
+
+                def replan(ids: Sequence[int]) -> List[MicroBatch]:
+                    part = tuple(counts[i] for i in ids) if counts else ()
+                    return self._plan_part(tuple(lengths[i] for i in ids), part)
+
+                microbatches = capped(microbatches, lengths, self.max_samples_per_group, replan)
         plan = Plan(
             lengths,
             self.domain,
             tuple(microbatches),
             self.microbatch_group_size_per_vp_stage,
             self.max_samples_per_group,
+            counts,
         )
         return plan.validate()
 
+    def _plan_part(self, seqlens: tuple, patches: Tuple[int, ...]) -> List[MicroBatch]:
+        """:meth:`_schedule` of these samples, given their patches where it prices them."""
+        if patches and any(patches) and self.prices_patches:
+            return self._schedule(seqlens, patches)  # type: ignore[call-arg]
+        return self._schedule(seqlens)
+
     def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
         raise NotImplementedError
+
+
+def check_patches(patches: Optional[Iterable[int]], count: int) -> Tuple[int, ...]:
+    """``patches`` as a tuple of non-negative ints, one per sample (``count``); the empty tuple
+    for None or all 0. A SchedulingError naming ``patches`` otherwise."""
+    if patches is None:
+        return ()
+    values = tuple(patches)
+    if len(values) != count:
+        raise SchedulingError(
+            "{patches}: {given} counts for {count} samples; give one per sample (or None).",
+            given=len(values),
+            count=count,
+        )
+    checked = []
+    for sample_id, value in enumerate(values):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = -1
+        if number < 0 or isinstance(value, bool):
+            raise SchedulingError(
+                "{patches}[{sample_id}]={value!r}: encoder patches must be non-negative integers.",
+                sample_id=sample_id,
+                value=value,
+            )
+        checked.append(number)
+    return tuple(checked) if any(checked) else ()
 
 
 def optional_count(value: Optional[int], parameter: str, meaning: str) -> Optional[int]:

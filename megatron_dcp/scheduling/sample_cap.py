@@ -19,14 +19,16 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.plan import CPGroup, MicroBatch
 
-Replan = Callable[[Tuple[int, ...]], List[MicroBatch]]
+# Plans the samples of the given ids (of the whole batch) as a batch of their own (id = index).
+Replan = Callable[[Sequence[int]], List[MicroBatch]]
 
 
 def capped(
     microbatches: Sequence[MicroBatch], seqlens: Sequence[int], cap: int, replan: Replan
 ) -> List[MicroBatch]:
-    """``microbatches`` with no group over ``cap`` samples; ``replan(lengths)`` plans a batch of
-    ``lengths`` (sample id = index) with the same scheduler."""
+    """``microbatches`` with no group over ``cap`` samples; ``replan(ids)`` plans the samples
+    ``ids`` (of the whole batch: their lengths and patches) as a batch of their own, sample id =
+    index in ``ids``, with the same scheduler."""
     kept, excess = _keep_longest(microbatches, seqlens, cap)
     while excess:
         extra, kept, excess = _plan_excess(kept, excess, seqlens, replan)
@@ -44,7 +46,7 @@ def _plan_excess(
     until it can be planned: the returned kept plan and excess say which moved."""
     while True:
         try:
-            extra = replan(tuple(seqlens[i] for i in excess))
+            extra = replan(tuple(excess))
             return [_renamed(mb, excess) for mb in extra], kept, excess
         except SchedulingError:
             spare = _shortest_spare(kept, seqlens)

@@ -86,14 +86,18 @@ class Comparison:
     cost_model: str
     lengths: List[int]
     results: List[SchedulerResult] = field(default_factory=list)
+    # Each sample's vision-encoder patches (empty: a text batch).
+    patches: Sequence[int] = ()
 
     def as_dict(self) -> Dict[str, Any]:
+        extra = {"total_patches": sum(self.patches)} if any(self.patches) else {}
         return {
             "workload": self.title,
             "layout": self.spec.__dict__,
             "cost_model": self.cost_model,
             "num_sequences": len(self.lengths),
             "total_tokens": sum(self.lengths),
+            **extra,
             "results": [result.as_dict() for result in self.results],
         }
 
@@ -103,22 +107,31 @@ class Comparison:
 
 
 def run_ours(
-    name: str, lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool
+    name: str,
+    lengths: Sequence[int],
+    spec: DomainSpec,
+    cost: CostModel,
+    panel: bool,
+    patches: Optional[Sequence[int]] = None,
 ) -> SchedulerResult:
     """Schedule with a registered scheduler; a ValueError (e.g. a sequence too long) -> n/a."""
-    return run_plan(
-        name, lambda: build_scheduler(name, **scheduler_kwargs(spec, cost)), lengths, cost, panel
-    )
+    build = lambda: build_scheduler(name, **scheduler_kwargs(spec, cost))  # noqa: E731
+    return run_plan(name, build, lengths, cost, panel, patches)
 
 
 def run_dev_peer(
-    lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool
+    lengths: Sequence[int],
+    spec: DomainSpec,
+    cost: CostModel,
+    panel: bool,
+    patches: Optional[Sequence[int]] = None,
 ) -> SchedulerResult:
-    """Megatron dev's greedy scheduler (``tools.peers.megatron_dev_greedy``)."""
+    """Megatron dev's greedy scheduler (``tools.peers.megatron_dev_greedy``): it plans blind to
+    ``patches``, and its plan is priced with them like ours."""
     from megatron_dcp.tools.peers.megatron_dev_greedy import PEER_NAME, DevGreedyPeer
 
     build = lambda: DevGreedyPeer(**scheduler_kwargs(spec, cost))  # noqa: E731
-    return run_plan(PEER_NAME, build, lengths, cost, panel)
+    return run_plan(PEER_NAME, build, lengths, cost, panel, patches)
 
 
 def scheduler_kwargs(spec: DomainSpec, cost: CostModel) -> Dict[str, Any]:
@@ -138,10 +151,12 @@ def run_plan(
     lengths: Sequence[int],
     cost: CostModel,
     panel: bool,
+    patches: Optional[Sequence[int]] = None,
 ) -> SchedulerResult:
-    """Build a scheduler and plan ``lengths``; a ValueError (bad input, no plan) -> n/a."""
+    """Build a scheduler and plan ``lengths`` (with each sample's encoder ``patches``, which
+    the plan keeps and every figure prices); a ValueError (bad input, no plan) -> n/a."""
     try:
-        plan, elapsed = timed_schedule(build(), lengths)
+        plan, elapsed = timed_schedule(build(), lengths, patches)
     except ValueError as error:
         return SchedulerResult(name, note=without_prefix(error_message(error), name))
     plan_report = report(name, plan, cost, elapsed)
@@ -194,14 +209,23 @@ def run_peer(
 
 
 def run_scheduler(
-    name: str, lengths: Sequence[int], spec: DomainSpec, cost: CostModel, panel: bool = False
+    name: str,
+    lengths: Sequence[int],
+    spec: DomainSpec,
+    cost: CostModel,
+    panel: bool = False,
+    patches: Optional[Sequence[int]] = None,
 ) -> SchedulerResult:
-    """A registered scheduler, or a peer for :data:`PEER_ALIAS` / :data:`DEV_PEER_ALIAS`."""
+    """A registered scheduler, or a peer for :data:`PEER_ALIAS` / :data:`DEV_PEER_ALIAS`. With
+    ``patches`` (vision work), the 0.19.2 peer is omitted: its figures have no vision term."""
     if name == PEER_ALIAS:
+        if patches and any(patches):
+            note = "omitted: its figures do not price vision-encoder patches"
+            return SchedulerResult("megatron-0.19.2 BalancedCPScheduler", note=note, omitted=True)
         return run_peer(lengths, spec, cost, panel)
     if name == DEV_PEER_ALIAS:
-        return run_dev_peer(lengths, spec, cost, panel)
-    return run_ours(name, lengths, spec, cost, panel)
+        return run_dev_peer(lengths, spec, cost, panel, patches)
+    return run_ours(name, lengths, spec, cost, panel, patches)
 
 
 def chosen_costs(names: Sequence[str], profile: Optional[str]) -> List[Tuple[str, CostModel]]:
@@ -220,12 +244,15 @@ def evaluate(
     cost: Tuple[str, CostModel],
     schedulers: Sequence[str],
     panels: bool = False,
+    patches: Optional[Sequence[int]] = None,
 ) -> Comparison:
-    """Every scheduler of ``schedulers`` on one workload under one (label, cost model)."""
+    """Every scheduler of ``schedulers`` on one workload (with each sample's encoder
+    ``patches``, None: a text batch) under one (label, cost model)."""
     label, model = cost[0], spec.priced(cost[1])
-    comparison = Comparison(title, spec, label, lengths)
+    comparison = Comparison(title, spec, label, lengths, patches=tuple(patches or ()))
     for name in schedulers:
-        comparison.results.append(run_scheduler(name, lengths, spec, model, panels))
+        result = run_scheduler(name, lengths, spec, model, panels, patches)
+        comparison.results.append(result)
     return comparison
 
 
@@ -287,7 +314,7 @@ def format_comparison(comparison: Comparison) -> str:
     lines = [
         f"== {comparison.title} | {comparison.spec.describe()} "
         f"| cost model '{comparison.cost_model}'",
-        f"   {summarize(comparison.lengths)}",
+        f"   {summarize(comparison.lengths, comparison.patches)}",
     ]
     reports = [result.report for result in comparison.results if result.report is not None]
     if reports:

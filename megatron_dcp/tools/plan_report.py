@@ -54,9 +54,12 @@ def report(name: str, plan: Plan, cost: CostModel, plan_time_s: float = 0.0) -> 
     )
 
 
-def timed_schedule(scheduler: Scheduler, seqlens: Sequence[int]) -> "tuple[Plan, float]":
+def timed_schedule(
+    scheduler: Scheduler, seqlens: Sequence[int], patches: Optional[Sequence[int]] = None
+) -> "tuple[Plan, float]":
+    """The plan of ``seqlens`` (and each sample's encoder ``patches``) and its wall time."""
     start = time.perf_counter()
-    plan = scheduler.schedule(seqlens)
+    plan = scheduler.schedule(seqlens, patches)
     return plan, time.perf_counter() - start
 
 

@@ -1,9 +1,12 @@
-"""The four reference workloads of the benchmark, and a one-line summary of a batch of lengths."""
+"""The four reference workloads of the benchmark, the vision-language workload ``vlm`` of the
+simulator (lengths and encoder patches), and a one-line summary of a batch of lengths."""
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from megatron_dcp.integration.data import lengths
 from megatron_dcp.integration.data.lengths import sample_lengths
@@ -28,9 +31,53 @@ def read_lengths(path: str) -> List[int]:
         raise lengths.renamed(error, LENGTHS_FLAG) from None
 
 
+# LLaVA's image tokens: one tile of a 336-pixel ViT-L/14 is 24 × 24 = 576 tokens in the language
+# model and 577 encoder patches (the class token included).
+IMAGE_TOKENS_PER_TILE = 576
+PATCHES_PER_TILE = 577
+
+
+@dataclass(frozen=True)
+class VisionMix:
+    """How the ``vlm`` workload draws one sample, a three-way mixture:
+
+    - ``text_share`` text-only turns: log-normal median ``text_median`` (σ 0.6, 16–4096 tokens),
+      no patches;
+    - ``tail_share`` long multi-image samples: 8–24 images, text log-normal median 1500 (σ 0.8,
+      64–8192);
+    - the rest, image samples: 1–8 images (1 with probability 1/2, then 2: 1/5, 3: 1/10,
+      4: 2/25, 5–8: 3/100 each), text log-normal median 200 (σ 0.8, 8–4096).
+
+    Every image has 1–4 tiles (uniform); a tile is ``IMAGE_TOKENS_PER_TILE`` tokens of the
+    combined length and ``PATCHES_PER_TILE`` encoder patches."""
+
+    text_share: float = 0.4
+    tail_share: float = 0.1
+    text_median: float = 300.0
+
+    def draw(self, rng: random.Random) -> Tuple[int, int]:
+        """One sample: (combined length, encoder patches)."""
+        kind = rng.random()
+        if kind < self.text_share:
+            return _lognormal(rng, self.text_median, 0.6, 16, 4096), 0
+        if kind < self.text_share + self.tail_share:
+            images, text = rng.randint(8, 24), _lognormal(rng, 1500.0, 0.8, 64, 8192)
+        else:
+            images = rng.choices(range(1, 9), weights=(50, 20, 10, 8, 3, 3, 3, 3))[0]
+            text = _lognormal(rng, 200.0, 0.8, 8, 4096)
+        tiles = sum(rng.randint(1, 4) for _ in range(images))
+        return text + tiles * IMAGE_TOKENS_PER_TILE, tiles * PATCHES_PER_TILE
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    return min(high, max(low, round(median * math.exp(rng.gauss(0.0, sigma)))))
+
+
 @dataclass(frozen=True)
 class Workload:
-    """A benchmark workload: domain layout, per-rank budget and length distribution."""
+    """A benchmark workload: domain layout, per-rank budget and length distribution; with
+    ``vision``, a vision-language workload whose samples also have encoder patches (drawn
+    together with their lengths, from the same seed)."""
 
     name: str
     description: str
@@ -38,6 +85,7 @@ class Workload:
     cp_size: int
     budget: int
     distribution: str
+    vision: Optional[VisionMix] = None
 
     @property
     def domain_size(self) -> int:
@@ -49,8 +97,30 @@ class Workload:
         return 8 * self.domain_size * self.budget
 
     def lengths(self, seed: int = 0) -> List[int]:
+        if self.vision is not None:
+            return self.samples(seed)[0]
         dist = parse_distribution(self.distribution)
         return sample_lengths(dist, seed, total_tokens=self.total_tokens)
+
+    def patches(self, seed: int = 0) -> List[int]:
+        """Each sample's encoder patches, in the order of :meth:`lengths` (0 for text)."""
+        if self.vision is None:
+            return [0] * len(self.lengths(seed))
+        return self.samples(seed)[1]
+
+    def samples(
+        self, seed: int = 0, total_tokens: Optional[int] = None, count: Optional[int] = None
+    ) -> Tuple[List[int], List[int]]:
+        """(combined lengths, patches) of a vision workload: ``count`` samples, or samples until
+        ``total_tokens`` (default :attr:`total_tokens`), deterministic in ``seed``."""
+        assert self.vision is not None, f"{self.name} has no vision samples"
+        rng, lengths, patches = random.Random(seed), [], []
+        goal = self.total_tokens if total_tokens is None else total_tokens
+        while (len(lengths) < count) if count is not None else (sum(lengths) < goal):
+            length, patch_count = self.vision.draw(rng)
+            lengths.append(length)
+            patches.append(patch_count)
+        return lengths, patches
 
 
 REFERENCE_WORKLOADS: Tuple[Workload, ...] = (
@@ -81,20 +151,42 @@ REFERENCE_WORKLOADS: Tuple[Workload, ...] = (
     Workload("uniform", "uniform 1–32768", 4, 4, 4096, "uniform:min=1,max=32768"),
 )
 
+# The simulator's vision-language workload (not in the benchmark matrix): its ``distribution`` is
+# the text-only turns' (what ``--distribution`` replaces, without patches).
+VLM_WORKLOAD = Workload(
+    "vlm",
+    "VLM: 40% text turns, 50% 1–8 images, 10% 8–24 images; 1–4 tiles of 576 tokens per image",
+    2,
+    8,
+    8192,
+    "lognormal:median=300,sigma=0.6,min=16,max=4096",
+    VisionMix(),
+)
+# Every workload ``simulate --workload`` knows: the reference ones, then ``vlm``.
+WORKLOADS: Tuple[Workload, ...] = (*REFERENCE_WORKLOADS, VLM_WORKLOAD)
 
-def reference_workload(name: str) -> Workload:
-    """Look up a reference workload by name or 1-based index."""
-    for index, workload in enumerate(REFERENCE_WORKLOADS, start=1):
+
+def reference_workload(name: str, workloads: Sequence[Workload] = REFERENCE_WORKLOADS) -> Workload:
+    """Look up a workload of ``workloads`` (default: the reference ones) by name or 1-based
+    index."""
+    for index, workload in enumerate(workloads, start=1):
         if name in (workload.name, str(index)):
             return workload
-    names = ", ".join(w.name for w in REFERENCE_WORKLOADS)
-    raise ValueError(f"--workload={name!r}: unknown workload; choose one of {names} (or 1–4).")
+    names = ", ".join(w.name for w in workloads)
+    raise ValueError(
+        f"--workload={name!r}: unknown workload; choose one of {names} (or 1–{len(workloads)})."
+    )
 
 
-def summarize(lengths: Sequence[int]) -> str:
-    """One line: count, total, mean, max."""
+def summarize(lengths: Sequence[int], patches: Sequence[int] = ()) -> str:
+    """One line: count, total, mean, max (and, with ``patches``, the samples with images and
+    their encoder patches)."""
     total = sum(lengths)
     mean = total / len(lengths) if lengths else 0.0
-    return (
+    line = (
         f"{len(lengths)} sequences, {total} tokens, mean {mean:.0f}, max {max(lengths, default=0)}"
     )
+    if any(patches):
+        with_images = sum(1 for p in patches if p)
+        line += f"; {with_images} with images, {sum(patches)} encoder patches"
+    return line

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from megatron_dcp.scheduling.balance import lpt_partition
-from megatron_dcp.scheduling.draft import SEQLEN, Item
+from megatron_dcp.scheduling.draft import KEY, Item
 from megatron_dcp.scheduling.dynamic_cp.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.dynamic_cp.microbatch_forming import (
     fill_level,
@@ -93,11 +93,11 @@ def is_heavy(ctx: Context, pool: Sequence[Item], floor: float) -> bool:
     micro-batch of its own (higher) level instead; ``floor`` is the pool's :func:`fill_level`."""
     alone, limit = ctx.alone, ctx.knobs.heavy * floor
     candidates = pool[: count_costlier(ctx, pool, limit)]
-    one_per_length = dict(zip(map(SEQLEN, candidates), candidates)).values()  # the length decides
+    one_per_key = dict(zip(map(KEY, candidates), candidates)).values()  # the cost key decides
     return any(
-        alone(item.seqlen, item.min_cp) > limit
+        alone(item.key, item.min_cp) > limit
         and promotion_waste(ctx, item, floor) > ctx.knobs.heavy_waste
-        for item in one_per_length
+        for item in one_per_key
     )
 
 
@@ -109,8 +109,8 @@ def count_costlier(ctx: Context, pool: Sequence[Item], limit: float) -> int:
     sizes, low, high = ctx.domain.group_sizes, 0, len(pool)
     while low < high:
         middle = (low + high) // 2
-        seqlen, min_cp = pool[middle].seqlen, pool[middle].min_cp
-        if max(ctx.alone(seqlen, size) for size in sizes if size <= min_cp) <= limit:
+        key, min_cp = pool[middle].key, pool[middle].min_cp
+        if max(ctx.alone(key, size) for size in sizes if size <= min_cp) <= limit:
             high = middle
         else:
             low = middle + 1
@@ -121,12 +121,12 @@ def promotion_waste(ctx: Context, item: Item, level: float) -> float:
     """Relative extra total cost of running ``item`` on the smallest CP group where its per-rank
     cost is within ``level`` (the largest group when none is) instead of its minimum."""
     least = ctx.min_work(item)
-    if ctx.alone(item.seqlen, item.min_cp) <= level or least <= 0:
+    if ctx.alone(item.key, item.min_cp) <= level or least <= 0:
         return 0.0
     for size in ctx.sizes_from(item.min_cp):
-        if ctx.alone(item.seqlen, size) <= level:
+        if ctx.alone(item.key, size) <= level:
             break
-    return ctx.alone(item.seqlen, size) * size / least - 1.0
+    return ctx.alone(item.key, size) * size / least - 1.0
 
 
 def equalize_buckets(ctx: Context, pool: Sequence[Item], extra: int = 0) -> List[List[Item]]:

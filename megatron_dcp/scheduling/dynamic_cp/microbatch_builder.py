@@ -7,7 +7,7 @@ from __future__ import annotations
 import heapq
 from itertools import compress
 from operator import not_
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator
 from megatron_dcp.scheduling.draft import GroupDraft, Item
@@ -16,8 +16,9 @@ from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchD
 INF = float("inf")
 
 HeapEntry = Tuple[float, int, GroupDraft]
-# The groups of one CP size: (size, their heap, the tokens a group holds, per-rank costs by length).
-Lane = Tuple[int, List[HeapEntry], int, Dict[int, float]]
+# The groups of one CP size: (size, their heap, the tokens a group holds, per-rank costs by cost
+# key: a length, or (length, patches)).
+Lane = Tuple[int, List[HeapEntry], int, Dict[Any, float]]
 
 
 class MicroBatchBuilder:
@@ -55,7 +56,10 @@ class MicroBatchBuilder:
         """Place what fits of ``pool`` (heaviest first: its last sample is the shortest), then top
         up lightest first; returns the samples not placed, in pool order."""
         taken = [False] * len(pool)
-        self.shortest = pool[-1].seqlen if pool else 0
+        if self.ctx.vision:  # heaviest first is no longer longest first
+            self.shortest = min(item.seqlen for item in pool) if pool else 0
+        else:
+            self.shortest = pool[-1].seqlen if pool else 0
         self.misfit = INF
         resume = self._pass(pool, range(len(pool)), taken)
         self._pass(pool, range(len(pool) - 1, resume - 1, -1), taken)
@@ -67,9 +71,12 @@ class MicroBatchBuilder:
 
         Placing only ever raises loads and takes free ranks, and a longer sample costs more and
         needs at least as many ranks, so a sample at least as long as one known to miss misses
-        too (``misfit``, see :meth:`_misfit_after`) and counts as a miss untried. A full group
-        leaving its heap lets :meth:`_join` look further, and a placement can bring a group with
-        more token room among those it looks at: ``misfit`` is forgotten then."""
+        too (``misfit``, see :meth:`_misfit_after`) and counts as a miss untried. Only a text
+        sample's miss sets ``misfit`` (vision work adds to a length's cost: a sample with
+        patches that misses says nothing of a text sample as long; one as long as a text
+        miss misses). A full group leaving its heap lets :meth:`_join` look further, and a
+        placement can bring a group with more token room among those it looks at: ``misfit``
+        is forgotten then."""
         place = self._place_lowest if self.level == INF else self._place_under_level
         misses = 0
         for index in order:
@@ -79,7 +86,7 @@ class MicroBatchBuilder:
             placed = item.seqlen < self.misfit and place(item)
             if self.dropped != dropped or (placed and self.misfit_by_tokens):
                 self.misfit, self.misfit_by_tokens = INF, False
-            elif not placed and item.seqlen < self.misfit:
+            elif not placed and item.seqlen < self.misfit and item.key.__class__ is not tuple:
                 self.misfit = self._misfit_after(item)
             if placed:
                 taken[index], misses = True, 0
@@ -134,7 +141,7 @@ class MicroBatchBuilder:
         fresh: Optional[Tuple[float, int]] = None
         if self.free.free and (item.seqlen > 0 or not self.groups):
             for size in self.ctx.sizes_from(item.min_cp):
-                load = self.ctx.alone(item.seqlen, size)
+                load = self.ctx.alone(item.key, size)
                 if (fresh is None or load < fresh[0]) and self.free.can_allocate(size):
                     fresh = (load, size)
         self.level = fresh[0] if fresh else INF
@@ -161,9 +168,9 @@ class MicroBatchBuilder:
     def _place_fresh(self, item: Item) -> bool:
         if item.seqlen == 0 and self.groups:
             return False  # an empty sample alone would leave its ranks without work
-        alone, seqlen, level, free = self.ctx.alone, item.seqlen, self.level, self.free
+        alone, key, level, free = self.ctx.alone, item.key, self.level, self.free
         for size in self.ctx.sizes_from(item.min_cp):
-            if alone(seqlen, size) <= level and free.can_allocate(size):
+            if alone(key, size) <= level and free.can_allocate(size):
                 self._add_group(item, size)
                 return True
         return False
@@ -185,11 +192,11 @@ class MicroBatchBuilder:
                 if not heap or heap[0][2].tokens > capacity - seqlen:
                     self._bound_tokens(lane, skipped[mark:])
                     continue
-            total = heap[0][0] + costs[seqlen]
+            total = heap[0][0] + costs[item.key]
             if total < best_total or (total == best_total and best is None):
                 best_total, best = total, lane
         if best is not None:
-            heap, load = best[1], best[3][seqlen]
+            heap, load = best[1], best[3][item.key]
             group = heap[0][2]
             group.push(item, load)
             heapq.heapreplace(heap, (group.load, group.block.start, group))
@@ -229,7 +236,7 @@ class MicroBatchBuilder:
         block = self.free.allocate(size)
         assert block is not None, f"no free block of {size} ranks"
         group = self.ctx.group(block)
-        group.push(item, self.ctx.load(item.seqlen, size))
+        group.push(item, self.ctx.load(item.key, size))
         self.groups.append(group)
         if self.journal is not None:
             self.journal.append((group, item, group.load, True))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.draft import SEQLEN, Item, longest_first
+from megatron_dcp.scheduling.draft import KEY, SAMPLE_ID, SEQLEN, Item, longest_first
 from megatron_dcp.scheduling.dynamic_cp.microbatch_builder import MicroBatchBuilder
 from megatron_dcp.scheduling.dynamic_cp.microbatch_search import rebalance_microbatch
 from megatron_dcp.scheduling.dynamic_cp.rank_repair import fill_empty_ranks
@@ -22,11 +22,15 @@ from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchD
 
 
 def heaviest_first(ctx: Context, items: Sequence[Item]) -> List[Item]:
-    """Samples by decreasing least total work, then id (deterministic). The least total
-    work grows strictly with the length (the minimum CP size never falls as the length grows,
-    and a sequence's total cost never falls as its CP size grows), so the order is that of
-    decreasing length."""
-    return longest_first(list(items))
+    """Samples by decreasing least total work, then id (deterministic). Without vision work the
+    least total work grows strictly with the length (the minimum CP size never falls as the
+    length grows, and a sequence's total cost never falls as its CP size grows), so the order is
+    that of decreasing length; with it, the work (``ctx.work``, vision included) orders them."""
+    if not ctx.vision:
+        return longest_first(list(items))
+    ordered = sorted(items, key=SAMPLE_ID)
+    ordered.sort(key=lambda item: ctx.work[item.key], reverse=True)
+    return ordered
 
 
 def form_microbatch(
@@ -90,10 +94,13 @@ def absorb_leftovers(ctx: Context, builder: MicroBatchBuilder, leftovers: List[I
 def extra_microbatch_cost(ctx: Context, items: Sequence[Item]) -> float:
     """A lower bound of what a micro-batch holding ``items`` costs: its fixed cost plus the
     larger of their mean work per rank and the least per-rank cost of the heaviest alone (on
-    any CP size its ring steps included; the longest is the heaviest on every size, with the
-    fewest sizes to choose from)."""
-    longest = max(items, key=SEQLEN)
-    alone = min(ctx.alone(longest.seqlen, s) for s in ctx.sizes_from(longest.min_cp))
+    any CP size its ring steps included; without vision work the longest is the heaviest on
+    every size, with the fewest sizes to choose from; with it, the most of each sample's least)."""
+    if ctx.vision:
+        alone = max(min(ctx.alone(i.key, s) for s in ctx.sizes_from(i.min_cp)) for i in items)
+    else:
+        longest = max(items, key=SEQLEN)
+        alone = min(ctx.alone(longest.key, s) for s in ctx.sizes_from(longest.min_cp))
     mean = sum(map(ctx.min_work, items)) / ctx.domain.size
     return max(mean, alone) + ctx.cost.microbatch
 
@@ -103,7 +110,7 @@ def fill_level(ctx: Context, pool: Sequence[Item], tokens: Optional[int] = None)
     filled the fewest micro-batches its tokens need: the level every micro-batch fills up to (a
     heavier opening sample raises it)."""
     tokens = sum(map(SEQLEN, pool)) if tokens is None else tokens
-    total = sum(map(ctx.work.__getitem__, map(SEQLEN, pool)))
+    total = sum(map(ctx.work.__getitem__, map(KEY, pool)))
     count = max(1, -(-tokens // (ctx.domain.size * ctx.domain.budget)))
     return total / (ctx.domain.size * count)
 
@@ -116,10 +123,10 @@ def trial_sizes(ctx: Context, item: Item, floor: float) -> List[int]:
     for size in ctx.sizes_from(item.min_cp):
         if not ctx.openable(size):
             continue
-        if sizes and ctx.alone(item.seqlen, size) >= ctx.alone(item.seqlen, sizes[-1]):
+        if sizes and ctx.alone(item.key, size) >= ctx.alone(item.key, sizes[-1]):
             break
         sizes.append(size)
-        if ctx.alone(item.seqlen, size) <= floor:
+        if ctx.alone(item.key, size) <= floor:
             break
     return sizes[::-1][: ctx.knobs.trials]
 
@@ -131,5 +138,5 @@ def efficiency(ctx: Context, draft: MicroBatchDraft) -> float:
     if top <= 0:
         return 1.0
     items = chain.from_iterable(group.items for group in draft)
-    useful = sum(map(ctx.work.__getitem__, map(SEQLEN, items)))
+    useful = sum(map(ctx.work.__getitem__, map(KEY, items)))
     return useful / (ctx.domain.size * top)

@@ -27,7 +27,7 @@ def fill_empty_ranks(
         item = take_donor(ctx, groups, block) or take_spare(ctx, spare or [], block)
         if item is not None:
             group = ctx.group(block)
-            group.push(item, ctx.load(item.seqlen, block.size))
+            group.push(item, ctx.load(item.key, block.size))
             groups.append(group)
         elif is_power_of_two(ctx.domain.size):
             free.free.clear()
@@ -72,7 +72,7 @@ def layout(ctx: Context, groups: MicroBatchDraft, sizes: dict) -> None:
         size = sizes[id(group)]
         grown = ctx.group(Block(start, size))
         for item in group.items:
-            grown.push(item, ctx.load(item.seqlen, size))
+            grown.push(item, ctx.load(item.key, size))
         laid.append(grown)
         start += size
     groups[:] = laid
@@ -85,7 +85,7 @@ def doubled_load(ctx: Context, group: GroupDraft, size: int) -> float:
 
 def grown_load(ctx: Context, group: GroupDraft, size: int) -> float:
     """Load of ``group``'s samples on ``size`` ranks (ring steps included)."""
-    return sum(ctx.load(item.seqlen, size) for item in group.items) + ctx.rings[size]
+    return sum(ctx.load(item.key, size) for item in group.items) + ctx.rings[size]
 
 
 def take_spare(ctx: Context, spare: List[Item], block: Block) -> Optional[Item]:
@@ -110,15 +110,15 @@ def take_donor(ctx: Context, groups: MicroBatchDraft, block: Block) -> Optional[
                 continue  # an empty sample would leave the block without work
             if group.tokens == item.seqlen:
                 continue  # nor may the group be left with empty samples only
-            remaining = group.load - ctx.load(item.seqlen, group.size)
-            peak = max(remaining, ctx.alone(item.seqlen, block.size))
+            remaining = group.load - ctx.load(item.key, group.size)
+            peak = max(remaining, ctx.alone(item.key, block.size))
             key = (peak, group.block.start, item.sample_id)
             if best is None or key < best[0]:
                 best = (key, group, item)
     if best is None:
         return None
     _, group, item = best
-    group.pop(item, ctx.load(item.seqlen, group.size))
+    group.pop(item, ctx.load(item.key, group.size))
     return item
 
 
@@ -137,5 +137,5 @@ def merge_into_parent(
     for group in inside:
         groups.remove(group)
         for item in group.items:
-            merged.push(item, ctx.load(item.seqlen, parent.size))
+            merged.push(item, ctx.load(item.key, parent.size))
     groups.append(merged)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
+from megatron_dcp.scheduling.cost import cost_keys, key_patches
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.draft import Item, freeze_microbatch, group_of_items
 from megatron_dcp.scheduling.dynamic_cp.construction import formed_plan, packed_plan
@@ -53,41 +54,48 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
     holds the planner's constants (a subclass may plan with others)."""
 
     knobs: ClassVar[Knobs] = DEFAULT_KNOBS
+    prices_patches = True
 
-    def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
-        ctx = Context(self.domain, self.cost_model, self.knobs)
+    def _schedule(self, seqlens: tuple, patches: Tuple[int, ...] = ()) -> List[MicroBatch]:
+        keys = cost_keys(seqlens, patches, self.cost_model)
+        vision = keys is not seqlens  # some sample's cost key holds patches
+        ctx = Context(self.domain, self.cost_model, self.knobs, vision)
         degree = self.domain.cp_degrees(seqlens)
-        items = list(map(Item, range(len(seqlens)), seqlens, map(degree.__getitem__, seqlens)))
+        degrees = map(degree.__getitem__, seqlens)
+        items = list(map(Item, range(len(seqlens)), seqlens, degrees, keys))
         vpp = self.microbatch_group_size_per_vp_stage
         best = searched_plan(ctx, items, vpp)
         nodes = self.cost_model.nodes
         if len(items) <= ctx.knobs.search_samples and nodes and nodes.node_size < self.domain.size:
             # Over nodes, the plan made blind to them competes too, priced as it is: knowing the
             # nodes never plans a longer critical path than not knowing them.
-            blind = Context(self.domain, self.cost_model.with_nodes(None), ctx.knobs)
+            blind = Context(self.domain, self.cost_model.with_nodes(None), ctx.knobs, vision)
             other = repriced(ctx, searched_plan(blind, items, vpp))
             best = min((best, other), key=lambda drafts: draft_critical_path(ctx, drafts))
-        return self.against_static(seqlens, [freeze_microbatch(draft) for draft in best])
+        planned = [freeze_microbatch(draft) for draft in best]
+        return self.against_static(seqlens, planned, patches if vision else ())
 
-    def against_static(self, seqlens: tuple, planned: List[MicroBatch]) -> List[MicroBatch]:
+    def against_static(
+        self, seqlens: tuple, planned: List[MicroBatch], patches: Tuple[int, ...] = ()
+    ) -> List[MicroBatch]:
         """``planned``, or the static-CP plan of the same lengths where that has a shorter
         critical path under this cost model. The static plan is built only where it can be
         shorter: where its lower bound (``static_cp_lower_bound``) is above ``planned``'s path
         (by ``knobs.static_bound_slack``, the rounding of the two sums), it cannot be, and the
         same plan is returned without the cost of ``dp_balanced`` (a quarter of the plan time
-        at N = 4,096; the bound is one pass over the lengths)."""
-        path = self.path(seqlens, planned)
+        at N = 4,096; the bound is one pass over the lengths). Both are priced with the
+        samples' ``patches`` (their vision work)."""
+        path = self.path(seqlens, planned, patches)
         vpp = self.microbatch_group_size_per_vp_stage
-        if static_cp_lower_bound(seqlens, self.domain, self.cost_model, vpp) > path * (
-            1 + self.knobs.static_bound_slack
-        ):
+        bound = static_cp_lower_bound(seqlens, self.domain, self.cost_model, vpp, patches)
+        if bound > path * (1 + self.knobs.static_bound_slack):
             return planned
-        static = self.static_plan(seqlens)
+        static = self.static_plan(seqlens, patches)
         if static is not None and critical_path(static, self.cost_model) < path:
             return list(static.microbatches)
         return planned
 
-    def static_plan(self, seqlens: tuple) -> Optional[Plan]:
+    def static_plan(self, seqlens: tuple, patches: Tuple[int, ...] = ()) -> Optional[Plan]:
         """The static-CP plan (``dp_balanced``) of these lengths, or None where static CP cannot
         run them: DCP competes with it under the same cost model and never plans longer.
         Batches with empty samples keep DCP's plan (static bins may hold only empty samples,
@@ -95,7 +103,7 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
         if 0 in seqlens:
             return None
         try:
-            return self.static_scheduler(self.domain.cp_size).schedule(seqlens)
+            return self.static_scheduler(self.domain.cp_size).schedule(seqlens, patches or None)
         except SchedulingError:
             return None
 
@@ -112,10 +120,12 @@ class DefaultDynamicCPScheduler(Scheduler, name="default_dynamic_cp"):
             self.cost_model,
         )
 
-    def path(self, seqlens: tuple, microbatches: Sequence[MicroBatch]) -> float:
+    def path(
+        self, seqlens: tuple, microbatches: Sequence[MicroBatch], patches: Tuple[int, ...] = ()
+    ) -> float:
         """The critical path of DCP's own ``microbatches`` under this scheduler's cost model."""
         vpp = self.microbatch_group_size_per_vp_stage
-        plan = Plan(seqlens, self.domain, tuple(microbatches), vpp)
+        plan = Plan(seqlens, self.domain, tuple(microbatches), vpp, patches=patches)
         return critical_path(plan, self.cost_model)
 
 
@@ -124,7 +134,9 @@ def searched_plan(ctx: Context, items: Sequence[Item], vpp: Optional[int]) -> Li
     searched across micro-batches, the best by :func:`plan_rank` selected and searched again."""
     plans = candidate_plans(ctx, items, vpp)
     search_candidates(ctx, plans, len(items))
-    bound = batch_lower_bound([item.seqlen for item in items], ctx.domain, ctx.cost, vpp)
+    seqlens = [item.seqlen for item in items]
+    patches = [key_patches(item.key) for item in items] if ctx.vision else ()
+    bound = batch_lower_bound(seqlens, ctx.domain, ctx.cost, vpp, patches)
     best = min(plans, key=lambda drafts: plan_rank(ctx, drafts, bound))
     search_chosen(ctx, best, len(items), bound)
     return best

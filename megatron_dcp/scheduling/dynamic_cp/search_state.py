@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_dcp.scheduling.buddy import BuddyAllocator
-from megatron_dcp.scheduling.cost import CostModel, SizeCosts
+from megatron_dcp.scheduling.cost import CostKey, CostModel, SizeCosts, key_length
 from megatron_dcp.scheduling.domain import Block, Domain
 from megatron_dcp.scheduling.draft import GroupDraft, Item
 from megatron_dcp.scheduling.dynamic_cp.knobs import DEFAULT_KNOBS, Knobs
@@ -48,40 +48,45 @@ def draft_critical_path(ctx: "Context", drafts: Sequence[MicroBatchDraft]) -> fl
 
 
 class WorkTable(dict):
-    """Least total cost of a length-L sample (at its minimum CP size, which L determines) keyed
-    by L, computed on first use."""
+    """Least total cost of a sample (at its minimum CP size, which its length determines) keyed
+    by its cost key (``cost.cost_keys``: the length L, or (L, patches)), computed on first use."""
 
     def __init__(self, domain: Domain, per_size: Dict[int, SizeCosts]) -> None:
         super().__init__()
         self.domain, self.per_size = domain, per_size
 
-    def __missing__(self, seqlen: int) -> float:
-        size = self.domain.cp_degree(seqlen)
-        value = self[seqlen] = self.per_size[size][seqlen] * size
+    def __missing__(self, key: CostKey) -> float:
+        size = self.domain.cp_degree(key_length(key))
+        value = self[key] = self.per_size[size][key] * size
         return value
 
 
 class Context:
     """What construction and every move need: the domain, the cost model, the knobs and memoised
-    costs: ``per_size[c][L]`` (per-rank cost of a length-L sample on c ranks) and ``work[L]``
-    (its least total work)."""
+    costs: ``per_size[c][k]`` (per-rank cost of a sample of cost key k on c ranks: the length L
+    of a text sample, (L, patches) of one with vision work) and ``work[k]`` (its least total
+    work). ``vision``: some sample's key holds patches, so cost no longer follows the length
+    alone (the orders and shortcuts that assume it check this flag)."""
 
-    def __init__(self, domain: Domain, cost: CostModel, knobs: Knobs = DEFAULT_KNOBS) -> None:
-        self.domain, self.cost, self.knobs = domain, cost, knobs
+    def __init__(
+        self, domain: Domain, cost: CostModel, knobs: Knobs = DEFAULT_KNOBS, vision: bool = False
+    ) -> None:
+        self.domain, self.cost, self.knobs, self.vision = domain, cost, knobs, vision
         self.per_size = {size: SizeCosts(cost, size) for size in domain.group_sizes}
         self.rings = {size: cost.ring_cost(size) for size in domain.group_sizes}
         self.work = WorkTable(domain, self.per_size)
         self._sizes: Dict[int, Tuple[int, ...]] = {}
         self._openable: Dict[int, bool] = {}
 
-    def load(self, seqlen: int, size: int) -> float:
-        """Per-rank cost a sequence of ``seqlen`` tokens adds to a group of ``size`` ranks."""
-        return self.per_size[size][seqlen]
+    def load(self, key: CostKey, size: int) -> float:
+        """Per-rank cost a sample of cost key ``key`` (a length, or (length, patches)) adds to
+        a group of ``size`` ranks."""
+        return self.per_size[size][key]
 
-    def alone(self, seqlen: int, size: int) -> float:
-        """Per-rank cost of a group of ``size`` ranks holding only this sequence (ring steps
+    def alone(self, key: CostKey, size: int) -> float:
+        """Per-rank cost of a group of ``size`` ranks holding only this sample (ring steps
         included)."""
-        return self.per_size[size][seqlen] + self.rings[size]
+        return self.per_size[size][key] + self.rings[size]
 
     def group(self, block: Block) -> GroupDraft:
         """An empty group over ``block``."""
@@ -89,7 +94,7 @@ class Context:
 
     def min_work(self, item: Item) -> float:
         """Least total cost of ``item``: at its minimum CP size (which its length determines)."""
-        return self.work[item.seqlen]
+        return self.work[item.key]
 
     def sizes_from(self, min_cp: int) -> Tuple[int, ...]:
         """The CP group sizes ≥ ``min_cp``, ascending."""

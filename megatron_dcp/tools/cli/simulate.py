@@ -1,5 +1,6 @@
 """``megatron-dcp simulate``: every chosen scheduler (and the megatron-core peer) on one
-workload, as a table, JSON or a plot of the plans."""
+workload, as a table, JSON or a plot of the plans. The ``vlm`` workload's samples also have
+vision-encoder patches: the schedulers plan with them and every figure prices them."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from megatron_dcp.integration.data.lengths import sample_lengths
 from megatron_dcp.scheduling import SCHEDULERS
-from megatron_dcp.scheduling.cost import COST_MODELS
+from megatron_dcp.scheduling.cost import COST_MODELS, CostModel
 from megatron_dcp.scheduling.domain import least_budget
 from megatron_dcp.scheduling.errors import SchedulingError
+from megatron_dcp.scheduling.hardware import REFERENCE_GPU_PROFILE, hardware_profile
+from megatron_dcp.scheduling.model_shape import ModelShape
 from megatron_dcp.tools.cli.args import (
     add_cost_profile_arg,
     add_ranks_per_node_arg,
@@ -32,7 +35,8 @@ from megatron_dcp.tools.compare import (
 )
 from megatron_dcp.tools.plot import require_matplotlib
 from megatron_dcp.tools.workloads import (
-    REFERENCE_WORKLOADS,
+    PATCHES_PER_TILE,
+    WORKLOADS,
     Workload,
     parse_distribution,
     read_lengths,
@@ -42,6 +46,14 @@ from megatron_dcp.tools.workloads import (
 
 # The budget hint of a batch that grows with the budget: at most this many re-draws.
 MAX_BUDGET_ROUNDS = 32
+# The vision encoder priced where the cost model has none (``vlm``): LLaVA's CLIP ViT-L/14 at
+# 336 pixels (24 layers, width 1024, MLP 4096, 577 patches per tile).
+VIT_L_336 = ModelShape(
+    vision_layers=24,
+    vision_hidden=1024,
+    vision_ffn_hidden=4096,
+    vision_patches_per_tile=PATCHES_PER_TILE,
+)
 
 
 def scheduler_names(requested: Optional[List[str]], no_peer: bool) -> List[str]:
@@ -60,6 +72,31 @@ def domain_spec(args: argparse.Namespace, workload: Workload) -> DomainSpec:
         args.microbatch_group_size_per_vp_stage,
         args.ranks_per_node,
     )
+
+
+def simulate_samples(
+    args: argparse.Namespace, spec: DomainSpec, workload: Workload
+) -> Tuple[List[int], Optional[List[int]]]:
+    """(lengths, patches): a vision workload's own samples (combined lengths and encoder
+    patches, from --seed) unless --lengths or --distribution replaces them; patches None for a
+    text batch."""
+    if workload.vision is None or args.lengths or args.distribution:
+        return simulate_lengths(args, spec, workload), None
+    if args.num_sequences:
+        return workload.samples(args.seed, count=args.num_sequences)
+    total = args.tokens_per_global_batch or 8 * spec.dp_size * spec.cp_size * spec.budget
+    return workload.samples(args.seed, total_tokens=total)
+
+
+def vision_priced(label: str, cost: CostModel) -> Tuple[str, CostModel]:
+    """A cost model for a batch with patches: its own ``vision`` coefficient, or else the
+    ViT-L/14-336 encoder's (:data:`VIT_L_336`) on its hardware profile (``cpu``: cpu-gloo; the
+    other seconds-based models: the reference GPU's). ``attention`` (unitless L²/c) stays blind."""
+    if cost.vision or label == "attention" or label.startswith("profile "):
+        return label, cost
+    profile = "cpu-gloo" if label == "cpu" else REFERENCE_GPU_PROFILE
+    vision = CostModel.from_model_shape(VIT_L_336, hardware_profile(profile)).vision
+    return f"{label}+ViT-L/14", replace(cost, vision=vision)
 
 
 def simulate_lengths(args: argparse.Namespace, spec: DomainSpec, workload: Workload) -> List[int]:
@@ -99,7 +136,7 @@ def check_lengths_fit(
         raise error
     least, drawn = error.values["least"], max(lengths)
     for _ in range(MAX_BUDGET_ROUNDS):
-        drawn = max(simulate_lengths(args, replace(spec, budget=least), workload))
+        drawn = max(simulate_samples(args, replace(spec, budget=least), workload)[0])
         if least_budget(drawn, domain.size) <= least:
             break
         least = least_budget(drawn, domain.size)
@@ -115,6 +152,8 @@ def simulate_title(args: argparse.Namespace, workload: Workload) -> str:
     """Where the lengths came from."""
     if args.lengths:
         return f"lengths from {args.lengths}"
+    if workload.vision is not None and not args.distribution:
+        return f"workload {workload.name}: {workload.description} (seed {args.seed})"
     return f"distribution {args.distribution or workload.distribution} (seed {args.seed})"
 
 
@@ -130,15 +169,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Every chosen scheduler on one workload; exit 2 when none could plan it."""
     if args.plot:
         require_matplotlib()  # before planning: say what to install, draw nothing
-    workload = reference_workload(args.workload)
+    workload = reference_workload(args.workload, WORKLOADS)
     spec = domain_spec(args, workload)
     spec.domain()  # validate the domain before sampling
-    lengths = simulate_lengths(args, spec, workload)
+    lengths, patches = simulate_samples(args, spec, workload)
     check_lengths_fit(args, spec, workload, lengths)
     names = scheduler_names(args.scheduler, args.no_peer)
     title = simulate_title(args, workload)
     cost = chosen_costs([args.cost_model], args.cost_profile)[0]
-    comparison = evaluate(title, lengths, spec, cost, names, panels=bool(args.plot))
+    if patches is not None:
+        cost = vision_priced(*cost)
+    panels = bool(args.plot)
+    comparison = evaluate(title, lengths, spec, cost, names, panels, patches)
     print(
         json.dumps(comparison.as_dict(), indent=2) if args.json else format_comparison(comparison)
     )
@@ -200,7 +242,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         default="lognormal",
         metavar="NAME",
         help="reference workload giving the defaults for layout and distribution "
-        f"({', '.join(w.name for w in REFERENCE_WORKLOADS)})",
+        f"({', '.join(w.name for w in WORKLOADS)}; vlm: samples with images, whose "
+        "encoder patches every figure prices)",
     )
 
 

@@ -57,7 +57,7 @@ def test_a_full_group_keeps_its_longest_samples():
 
     result = capped(microbatches, lengths, 3, replan)
     assert result[0].groups[0].sample_ids == (1, 3, 2)
-    assert replanned == [(5, 1)] and result[1].groups[0].sample_ids == (0, 4)
+    assert replanned == [(0, 4)] and result[1].groups[0].sample_ids == (0, 4)
 
 
 def test_validate_refuses_a_group_over_the_cap():

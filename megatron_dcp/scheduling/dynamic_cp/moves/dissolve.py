@@ -60,7 +60,7 @@ def dissolve(ctx: Context, drafts: List[MicroBatchDraft], index: int) -> Optiona
             undo(moves)
             return None
         delta, targets, key = choice
-        moves.append(targets.add(key, item, ctx.load(item.seqlen, targets.draft[key[2]].size)))
+        moves.append(targets.add(key, item, ctx.load(item.key, targets.draft[key[2]].size)))
         growth += delta
     del drafts[index]
     return moves
@@ -100,7 +100,7 @@ def best_target(
         for key in targets.order[: ctx.knobs.dissolve_scan]:
             group = targets.draft[key[2]]
             if group.fits(item, budget):
-                after = group.load + ctx.load(item.seqlen, group.size)
+                after = group.load + ctx.load(item.key, group.size)
                 rank = (max(0.0, after - targets.peak), after)
                 if best is None or rank < best[0]:
                     best = (rank, targets, key)

@@ -35,7 +35,13 @@ from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
-from megatron_dcp.scheduling.dynamic_cp.moves.transfer import PlanCandidate, spread, transfer
+from megatron_dcp.scheduling.dynamic_cp.moves.transfer import (
+    PlanCandidate,
+    heaviest_on,
+    lighter,
+    spread,
+    transfer,
+)
 from megatron_dcp.scheduling.dynamic_cp.search_state import (
     Context,
     MicroBatchDraft,
@@ -153,8 +159,9 @@ def top_samples(ctx: Context, view: DraftView) -> Iterator[Tuple[Item, float, bo
     exchange) for the samples of ``view``'s top group examined, longest first."""
     top = view.top
     movable = len(top.items) > 1
-    for item in spread(view.partners(top), ctx.knobs.exchange_items):
-        yield item, ctx.load(item.seqlen, top.size), movable and top.tokens > item.seqlen
+    ordered = heaviest_on(ctx, list(top.items), top.size) if ctx.vision else view.partners(top)
+    for item in spread(ordered, ctx.knobs.exchange_items):
+        yield item, ctx.load(item.key, top.size), movable and top.tokens > item.seqlen
 
 
 def exchanges(
@@ -172,16 +179,15 @@ def exchanges(
         if size < item.min_cp:
             continue
         costs = ctx.per_size[size]
-        into = costs[item.seqlen]
+        into = costs[item.key]
         if leaves:
             group = next((g for g in groups if size * budget - g.tokens >= item.seqlen), None)
             if group is not None:
                 yield out, max(0.0, group.load + into - peak), group, None
         for group in groups[: ctx.knobs.swap_groups]:
             for back in swap_partners(ctx, top, item, group, receiver.partners(group)):
-                length = back.seqlen
-                growth = max(0.0, group.load + into - costs[length] - peak)
-                yield out - top_costs[length], growth, group, back
+                growth = max(0.0, group.load + into - costs[back.key] - peak)
+                yield out - top_costs[back.key], growth, group, back
 
 
 def swap_partners(
@@ -195,8 +201,8 @@ def swap_partners(
     top_room = top.size * budget - top.tokens + item.seqlen
     found = 0
     for back in partners:
-        if back.seqlen >= item.seqlen:
-            continue
+        if back.seqlen >= item.seqlen and not (ctx.vision and lighter(ctx, back, item, top.size)):
+            continue  # with vision work, a sample at least as long may still be the lighter
         if room + back.seqlen < 0:
             return  # shorter partners leave even less room
         if (

@@ -36,11 +36,11 @@ def find_merge(ctx: Context, draft: MicroBatchDraft, top: GroupDraft) -> Optiona
     size = top.size * 2
     if size > ctx.domain.size:
         return None
-    base = sum(ctx.load(item.seqlen, size) for item in top.items) + ctx.rings[size]
+    base = sum(ctx.load(item.key, size) for item in top.items) + ctx.rings[size]
     options = []
     for group in lightest(draft, top, len(draft)):
         if group.size == top.size:
-            load = base + sum(ctx.load(item.seqlen, size) for item in group.items)
+            load = base + sum(ctx.load(item.key, size) for item in group.items)
             options.append((load, group.block.start, group))
     options.sort(key=lambda option: option[:2])
     for _, _, group in options[: ctx.knobs.merge_trials]:
@@ -60,7 +60,7 @@ def merged_microbatch(
     size, limit = top.size * 2, top.load * (1 - knobs.eps)
     merged = ctx.group(Block(min(top.block.start, group.block.start), size))
     for item in top.items + group.items:
-        merged.push(item, ctx.load(item.seqlen, size))
+        merged.push(item, ctx.load(item.key, size))
     rest = lightest(draft, top, len(draft))
     rest.remove(group)
     if rest and rest[-1].load >= limit:

@@ -2,8 +2,9 @@
 trade it there for a shorter sample (a swap), and **rebalance**, the lighter variant the forming
 of each micro-batch runs (moves only, fewer partners).
 
-Samples of the top group are examined longest first: once the top would stay above the best
-found without one, it would without every shorter one too.
+Samples of the top group are examined heaviest first (longest first for text): once the top
+would stay above the best found without one, it would without every lighter one too. With vision
+work a sample at least as long may be the lighter: a trade takes it back too (``lighter``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 from functools import partial
 from typing import List, Optional, Tuple
 
-from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
+from megatron_dcp.scheduling.draft import GroupDraft, Item
 from megatron_dcp.scheduling.dynamic_cp.moves.transfer import (
     Candidate,
+    heaviest_on,
+    lighter,
     lightest,
     spread,
     transfer,
@@ -30,8 +33,8 @@ def find_shift(ctx: Context, draft: MicroBatchDraft, top: GroupDraft) -> Optiona
     limit = top.load * (1 - knobs.eps)
     partners = lightest(draft, top, knobs.polish_partners)
     costs = ctx.per_size[top.size]
-    for item in spread(longest_first(list(top.items)), knobs.polish_items):
-        out = costs[item.seqlen]
+    for item in spread(heaviest_on(ctx, list(top.items), top.size), knobs.polish_items):
+        out = costs[item.key]
         if top.load - out >= limit:
             break
         for group in partners:
@@ -57,7 +60,7 @@ def shift_options(
     options: List[Tuple[float, Optional[Item]]] = []
     group_costs, top_costs = ctx.per_size[group.size], ctx.per_size[top.size]
     budget, left = ctx.domain.budget, top.tokens - item.seqlen
-    grown = group.load + group_costs[item.seqlen]
+    grown = group.load + group_costs[item.key]
     room = group.size * budget - group.tokens - item.seqlen
     if left > 0 and room >= 0:
         options.append((max(top.load - out, grown), None))
@@ -65,11 +68,11 @@ def shift_options(
     shed = top.load - out
     for back in spread(group.items, ctx.knobs.trade_items):
         length = back.seqlen
-        if length >= item.seqlen or room + length < 0 or back.min_cp > top.size:
+        if room + length < 0 or back.min_cp > top.size or length > top_room or left + length <= 0:
             continue
-        if length > top_room or left + length <= 0:
+        if length >= item.seqlen and not (ctx.vision and lighter(ctx, back, item, top.size)):
             continue
-        peak = max(shed + top_costs[length], grown - group_costs[length])
+        peak = max(shed + top_costs[back.key], grown - group_costs[back.key])
         options.append((peak, back))
     return options
 
@@ -90,8 +93,8 @@ def find_rebalance(ctx: Context, draft: MicroBatchDraft, top: GroupDraft) -> Opt
             if item.min_cp > partner.size or ctx.room(partner) < item.seqlen:
                 continue
             peak = max(
-                top.load - ctx.load(item.seqlen, top.size),
-                partner.load + ctx.load(item.seqlen, partner.size),
+                top.load - ctx.load(item.key, top.size),
+                partner.load + ctx.load(item.key, partner.size),
             )
             if peak < best_peak:
                 best, best_peak = (item, partner), peak

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling.draft import GroupDraft, Item, longest_first
+from megatron_dcp.scheduling.draft import SAMPLE_ID, GroupDraft, Item, longest_first
 from megatron_dcp.scheduling.dynamic_cp.search_state import Context, MicroBatchDraft
 
 
@@ -36,16 +36,33 @@ class PlanCandidate:
     apply: Callable[[], None]
 
 
+def heaviest_on(ctx: Context, items: List[Item], size: int) -> List[Item]:
+    """``items`` sorted in place by decreasing per-rank cost on ``size`` ranks, then id; returns
+    them. Without vision work that is longest first (cost grows with the length)."""
+    if not ctx.vision:
+        return longest_first(items)
+    costs = ctx.per_size[size]
+    items.sort(key=SAMPLE_ID)
+    items.sort(key=lambda item: costs[item.key], reverse=True)
+    return items
+
+
+def lighter(ctx: Context, back: Item, item: Item, size: int) -> bool:
+    """True when ``back`` costs less than ``item`` on ``size`` ranks: with vision work a sample
+    at least as long may be the lighter one (its key, not its length, prices it)."""
+    return ctx.load(back.key, size) < ctx.load(item.key, size)
+
+
 def transfer(
     ctx: Context, source: GroupDraft, item: Item, target: GroupDraft, back: Optional[Item]
 ) -> None:
     """Move ``item`` from ``source`` to ``target``; with ``back``, ``target``'s sample ``back``
     goes the other way (a swap)."""
-    source.pop(item, ctx.load(item.seqlen, source.size))
+    source.pop(item, ctx.load(item.key, source.size))
     if back is not None:
-        target.pop(back, ctx.load(back.seqlen, target.size))
-        source.push(back, ctx.load(back.seqlen, source.size))
-    target.push(item, ctx.load(item.seqlen, target.size))
+        target.pop(back, ctx.load(back.key, target.size))
+        source.push(back, ctx.load(back.key, source.size))
+    target.push(item, ctx.load(item.key, target.size))
 
 
 def deal(ctx: Context, items: Sequence[Item], groups: Sequence[GroupDraft]) -> bool:
@@ -57,12 +74,12 @@ def deal(ctx: Context, items: Sequence[Item], groups: Sequence[GroupDraft]) -> b
         for group in groups:
             if group.size < item.min_cp or ctx.room(group) < item.seqlen:
                 continue
-            load = group.load + ctx.load(item.seqlen, group.size)
+            load = group.load + ctx.load(item.key, group.size)
             if best is None or load < best_load:
                 best, best_load = group, load
         if best is None:
             return False
-        best.push(item, ctx.load(item.seqlen, best.size))
+        best.push(item, ctx.load(item.key, best.size))
     return True
 
 
