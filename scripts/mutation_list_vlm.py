@@ -11,7 +11,26 @@ VLM_ORACLE = "tests/integration/test_vlm_oracle.py::"
 VLM_CP2 = (VLM_ORACLE + "test_vlm_dcp_step_equals_llava_alone[dp2cp2]",)
 INTEGRATION = "megatron_dcp/integration/"
 
+VLM_DATA = "tests/integration/test_vlm_data.py"
+
 VLM_MUTANTS = (
+    Mutant(
+        "vlm-combined-length-counts-tiles",
+        INTEGRATION + "data/vlm_samples.py",
+        "widths[placeholder] = tiles * image_seq_length",
+        "widths[placeholder] = tiles",
+        (VLM_DATA,) + VLM_CP2,
+        "the combined length counts a tile as one position, not its image tokens: the plan, "
+        "the packs and the image slots are those of a shorter sequence",
+    ),
+    Mutant(
+        "vlm-planner-blind-to-encoder-patches",
+        INTEGRATION + "forward_backward.py",
+        "return [count * self.vision.patches_per_tile for count in tiles.tiles]",
+        "return None",
+        (VLM_ORACLE + "test_each_tile_is_encoded_once_per_group",),
+        "the planner is not given the samples' encoder patches: an image costs it nothing",
+    ),
     Mutant(
         "vlm-tiles-routed-reversed",
         INTEGRATION + "vision_batches.py",

@@ -85,10 +85,12 @@ def flag_error(error: SchedulingError) -> ValueError:
     return ValueError(error.worded(FLAGS))
 
 
-def plan_with(scheduler: Scheduler, seqlens: Sequence[int]) -> Plan:
-    """``scheduler.schedule(seqlens)`` with its errors worded for the training user."""
+def plan_with(
+    scheduler: Scheduler, seqlens: Sequence[int], patches: Optional[Sequence[int]] = None
+) -> Plan:
+    """``scheduler.schedule(seqlens, patches)`` with its errors worded for the training user."""
     try:
-        return scheduler.schedule(seqlens)
+        return scheduler.schedule(seqlens, patches)
     except SchedulingError as error:
         raise flag_error(error) from None
 

@@ -221,7 +221,7 @@ class DCPForwardBackward:
         lengths = gather_lengths([sample_length(s) for s in samples], comm.dp_group)
         tiles = exchange_tiles(images, comm.dp_group) if images is not None else None
         start = time.perf_counter()
-        plan = plan_with(self.scheduler, lengths.seqlens)
+        plan = plan_with(self.scheduler, lengths.seqlens, self.patches_of(tiles))
         plan_time = time.perf_counter() - start
         check_same_plan(plan, comm.domain_group, step=len(self.stats) + 1)
         moved = [{key: to_device(value, device) for key, value in s.items()} for s in samples]
@@ -239,6 +239,12 @@ class DCPForwardBackward:
         received = routed.bytes_received + (pictures.bytes_received if pictures else 0)
         stats = batch_stats(plan, plan_time, batches, received, self.scheduler)
         return Prepared(batches, plan, stats)
+
+    def patches_of(self, tiles: Optional[BatchTiles]) -> Optional[List[int]]:
+        """Each sample's encoder patches, what the planner prices (None for text)."""
+        if tiles is None or self.vision is None:
+            return None
+        return [count * self.vision.patches_per_tile for count in tiles.tiles]
 
     def publish(self, prepared: Prepared) -> List[Batch]:
         """Record ``prepared`` as the batch being run (its plan and figures); its batches."""

@@ -36,16 +36,16 @@ class StaticPlanScheduler(DefaultDynamicCPScheduler):
     """``default_dynamic_cp`` that returns the static plan (module docstring). Not registered
     under a name of its own: :func:`force_static_plans` puts it in DCP's place."""
 
-    def _schedule(self, seqlens: tuple) -> List[MicroBatch]:
+    def _schedule(self, seqlens: tuple, patches: Tuple[int, ...] = ()) -> List[MicroBatch]:
         domain = self.domain
         sizes = [s for s in domain.group_sizes if s >= domain.cp_size and domain.size % s == 0]
         for size in sizes:
             try:
-                plan = self.static_scheduler(size).schedule(seqlens)
+                plan = self.static_scheduler(size).schedule(seqlens, patches or None)
             except SchedulingError:
                 continue
             return list(plan.microbatches)
-        return super()._schedule(seqlens)
+        return super()._schedule(seqlens, patches)
 
 
 def switched_on() -> bool:

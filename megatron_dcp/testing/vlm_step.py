@@ -31,6 +31,7 @@ class VLMStepResult:
     batch_tiles: int
     image_samples_per_group: int
     parts: Tuple[str, ...]
+    plan_patches: Tuple[int, ...] = ()  # the encoder patches the planner priced, per sample
 
 
 def vlm_dcp_step(
@@ -79,7 +80,9 @@ def vlm_dcp_step(
         for microbatch in wrapper.plan.microbatches
         for group in microbatch.groups
     )
-    return VLMStepResult(step, encoded, sum(tiles), packed, _parts(model))
+    return VLMStepResult(
+        step, encoded, sum(tiles), packed, _parts(model), wrapper.plan.patches
+    )
 
 
 def _domain_tiles(local: int, domain_group: object) -> Tuple[int, ...]:

@@ -107,11 +107,14 @@ def test_lane_all_gather_routes_tiles_too(samples, reference):
 
 def test_each_tile_is_encoded_once_per_group(samples):
     """The encoder work: every tile of the batch is encoded by exactly one rank of the domain
-    (never on every rank of its group), and it is spread: no rank encodes them all."""
+    (never on every rank of its group), and it is spread: no rank encodes them all. The planner
+    planned the combined lengths and priced every sample's encoder patches."""
     results = run_step(samples, 4)
+    patches = tuple(int(s["images"].shape[0]) * OPTIONS.spec.patches_per_tile for s in samples)
     for result in results:
         assert sum(result.encoder_tiles) == result.batch_tiles
         assert max(result.encoder_tiles) < result.batch_tiles
+        assert result.plan_patches == patches
     tp_results = run_step(samples, 8, tp=2, options=SP_OPTIONS)
     for result in tp_results:  # per DP×CP position: the TP ranks of a position share its tiles
         assert sum(result.encoder_tiles) == result.batch_tiles
