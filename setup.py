@@ -54,6 +54,7 @@ setup(
             "megatron-dcp=megatron_dcp.tools.cli.main:main",
             "megatron-dcp-pretrain-gpt=megatron_dcp.pretrain_gpt:main",
             "megatron-dcp-pretrain-mamba=megatron_dcp.pretrain_mamba:main",
+            "megatron-dcp-pretrain-vlm=megatron_dcp.pretrain_vlm:main",
         ]
     },
     classifiers=[

@@ -10,6 +10,7 @@ corrects it while training runs (``integration.training.dcp_schedule``).
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -153,12 +154,38 @@ def hybrid_layer_counts(pattern: str) -> Dict[str, int]:
 
 def model_shape_from_args(args: Any) -> ModelShape:
     """The shape of the model megatron's parsed arguments ``args`` describe (vocabulary: the
-    padded size when megatron has set it, else ``--vocab-size``)."""
+    padded size when megatron has set it, else ``--vocab-size``), with the vision encoder of a
+    vision-language model (``pretrain_vlm``'s ``--vision-*`` flags)."""
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
     pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(
         args, "hybrid_override_pattern", None
     )
-    return model_shape_of(config_view(args), vocab, pattern)
+    shape = model_shape_of(config_view(args), vocab, pattern)
+    return dataclasses.replace(shape, **vision_dims(args)) if vision_dims(args) else shape
+
+
+CLASS_TOKENS = 1  # a CLIP ViT's class token: the encoder runs it with the patches
+
+
+def vision_dims(args: Any) -> Dict[str, Any]:
+    """The :class:`ModelShape` fields of the vision encoder ``pretrain_vlm``'s flags build (a
+    CLIP ViT: ``--vision-num-layers``, ``--vision-hidden-size``, ``--vision-ffn-hidden-size``;
+    its patches per tile from ``--img-h``, ``--img-w``, ``--patch-dim``, the class token
+    included, as ``data.vlm_samples.encoder_patches`` counts them (not imported: it needs
+    torch); its MLP gated as the language model's, whose config it copies); empty without
+    ``--vision-num-layers``."""
+    layers = getattr(args, "vision_num_layers", None)
+    if not layers:
+        return {}
+    gated = getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)
+    return dict(
+        vision_layers=layers,
+        vision_hidden=args.vision_hidden_size,
+        vision_ffn_hidden=getattr(args, "vision_ffn_hidden_size", None),
+        vision_patches_per_tile=(args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+        + CLASS_TOKENS,
+        vision_gated_mlp=bool(gated),
+    )
 
 
 def config_view(args: Any) -> SimpleNamespace:

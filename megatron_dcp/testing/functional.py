@@ -24,6 +24,8 @@ from megatron_dcp.testing.plan_coverage import Layout
 from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "functional_tests" / "test_cases"
+# The vision-language case (entry pretrain_vlm): its own test, no goldens, so not in CASES_DIR.
+VLM_CASES_DIR = CASES_DIR.parent / "vlm_cases"
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class FunctionalCase:
     train_iters: int
     save_interval: int
     model_args: Dict[str, object]
-    entry: str = "pretrain_gpt"  # the training module: pretrain_gpt or pretrain_mamba
+    entry: str = "pretrain_gpt"  # the training module: pretrain_gpt, pretrain_mamba, pretrain_vlm
     # Whether the resume test runs this case: resuming is model-independent (megatron's
     # checkpoint and DCP's data iterator), so cases added for a model kind may leave it out.
     resume: bool = True
@@ -62,8 +64,8 @@ class FunctionalCase:
         return {int(iteration): float(loss) for iteration, loss in values.items()}
 
 
-def load_case(name: str) -> FunctionalCase:
-    config = yaml.safe_load((CASES_DIR / name / "model_config.yaml").read_text())
+def load_case(name: str, cases_dir: Path = CASES_DIR) -> FunctionalCase:
+    config = yaml.safe_load((cases_dir / name / "model_config.yaml").read_text())
     return FunctionalCase(
         name,
         config["nproc"],

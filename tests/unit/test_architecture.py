@@ -39,6 +39,7 @@ LAYERS = {
     "adapters": 3,
     "pretrain_gpt": 3,
     "pretrain_mamba": 3,
+    "pretrain_vlm": 3,
     "verl_plugin": 3,
     "__init__": 3,
     "tools": 4,

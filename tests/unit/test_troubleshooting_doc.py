@@ -39,6 +39,7 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
         "integration/patches/cp_switching.py",
         "integration/patches/gdn_switching.py",
         "pretrain_mamba.py",
+        "integration/training/vlm_entry.py",
     ),
     "Training start-up: the CPU backend": (
         "integration/cpu/spec_refusals.py",

@@ -17,6 +17,7 @@ from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.forward_backward import BatchStats, DCPForwardBackward
 from megatron_dcp.integration.node_layout import describe_layout
 from megatron_dcp.integration.patches import apply_groups, timed, timing_steps, use_schedule
+from megatron_dcp.integration.vision_batches import VisionSpec
 from megatron_dcp.integration.training.time_groups import TimeGroups, time_groups
 from megatron_dcp.scheduling.cost_fit import (
     OnlineRefinement,
@@ -47,11 +48,13 @@ class DCPSchedule:
         log: Callable[[str], None],
         iteration: Optional[Callable[[], int]] = None,
         last_iteration: Optional[Callable[[], bool]] = None,
+        vision: Optional[VisionSpec] = None,
     ) -> None:
         """``iteration`` returns the number of the training iteration being run (megatron's,
         which continues after a resume); default: count the training calls.
-        ``last_iteration`` says whether it is the last (no next batch to prefetch then)."""
-        self.config, self.log = config, log
+        ``last_iteration`` says whether it is the last (no next batch to prefetch then).
+        ``vision``: the image tiles of a vision-language model (None: text only)."""
+        self.config, self.log, self.vision = config, log, vision
         self.last_iteration = last_iteration or (lambda: False)
         self.wrapper: Optional[DCPForwardBackward] = None
         self.refinement: Optional[OnlineRefinement] = None
@@ -102,7 +105,9 @@ class DCPSchedule:
         from megatron_dcp.integration.forward_backward import build_forward_backward
 
         chunks = model if isinstance(model, list) else [model]
-        self.wrapper = build_forward_backward(get_model_config(chunks[0]), self.config)
+        self.wrapper = build_forward_backward(
+            get_model_config(chunks[0]), self.config, vision=self.vision
+        )
         atexit.register(self.wrapper.close)  # an early exit (signal, --exit-interval) joins too
         if self.wrapper.config.cost_adapt:
             self.refinement = OnlineRefinement(self.wrapper.scheduler.cost_model)
@@ -241,11 +246,14 @@ def gather_tensors(local: torch.Tensor, group: Any) -> List[torch.Tensor]:
 
 
 def install_dcp_schedule(
-    config: DCPConfig, log: Callable[[str], None], schedule_class: type = DCPSchedule
+    config: DCPConfig,
+    log: Callable[[str], None],
+    schedule_class: type = DCPSchedule,
+    vision: Optional[VisionSpec] = None,
 ) -> DCPSchedule:
     """Make ``megatron.training``'s loops run one shared :class:`DCPSchedule` (or a subclass,
     ``schedule_class``: the training benchmark's) through the ``dcp_schedule`` entry of the
-    patch table."""
+    patch table; ``vision``: a vision-language model's tiles (``pretrain_vlm``)."""
     from megatron.training import get_args
 
     def last_iteration() -> bool:
@@ -257,6 +265,7 @@ def install_dcp_schedule(
         log,
         iteration=lambda: get_args().curr_iteration + 1,
         last_iteration=last_iteration,
+        vision=vision,
     )
     apply_groups(("training",))
     use_schedule(schedule)

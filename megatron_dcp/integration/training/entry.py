@@ -10,6 +10,8 @@ module: megatron.training must see the stand-ins when it is first imported.
 from __future__ import annotations
 
 import argparse
+import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -35,6 +37,7 @@ from megatron_dcp.integration.training.startup_errors import (
     short_usage,
     startup_checks,
 )
+from megatron_dcp.integration.vision_batches import VisionSpec
 
 
 def on_cpu() -> bool:
@@ -54,21 +57,26 @@ CPU_DEFAULTS = {
 }
 
 
-def extra_args(argv: Optional[List[str]] = None) -> Callable[[argparse.ArgumentParser], Any]:
-    """megatron's ``extra_args_provider``: the DCP flags, per-token loss on (DCP needs it), the
-    CPU defaults when CUDA is absent, and a parser that reads ``argv`` (default: the command
-    line) and answers a typo with the DCP flags' usage, not megatron's whole usage (a usage the
-    caller set on the parser wins); on CPU, the flags megatron's own validation cannot reach
-    there are refused first (``parse_time_checks``)."""
+AddFlags = Callable[[argparse.ArgumentParser], Any]
+
+
+def extra_args(argv: Optional[List[str]] = None, add_flags: Optional[AddFlags] = None) -> AddFlags:
+    """megatron's ``extra_args_provider``: the DCP flags (and an entry point's own,
+    ``add_flags``), per-token loss on (DCP needs it), the CPU defaults when CUDA is absent, and a
+    parser that reads ``argv`` (default: the command line) and answers a typo with the DCP flags'
+    usage, not megatron's whole usage (a usage the caller set on the parser wins); on CPU, the
+    flags megatron's own validation cannot reach there are refused first
+    (``parse_time_checks``)."""
+    add_all = add_dcp_args if add_flags is None else both(add_dcp_args, add_flags)
 
     def provide(parser: argparse.ArgumentParser) -> EntryParser:
-        add_dcp_args(parser)
+        add_all(parser)
         parser.set_defaults(calculate_per_token_loss=True, **(CPU_DEFAULTS if on_cpu() else {}))
         check = parse_time_checks(on_cpu())
         if parser.usage:
             return EntryParser(parser, argv, check=check)
         return EntryParser(
-            parser, argv, usage=lambda: short_usage(parser.prog, add_dcp_args), check=check
+            parser, argv, usage=lambda: short_usage(parser.prog, add_all), check=check
         )
 
     return provide
@@ -88,22 +96,37 @@ def parse_time_checks(cpu: bool) -> Callable[[argparse.Namespace], None]:
     return check
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    """megatron's arguments plus the DCP flags; ``argv`` defaults to the command line."""
-    return parse_and_validate_args(extra_args_provider=extra_args(argv))
+def both(first: AddFlags, second: AddFlags) -> AddFlags:
+    """A flag adder that runs ``first``, then ``second``."""
+
+    def add(parser: argparse.ArgumentParser) -> None:
+        first(parser)
+        second(parser)
+
+    return add
+
+
+def parse_args(
+    argv: Optional[List[str]] = None, add_flags: Optional[AddFlags] = None
+) -> argparse.Namespace:
+    """megatron's arguments plus the DCP flags (and ``add_flags``'); ``argv`` defaults to the
+    command line."""
+    return parse_and_validate_args(extra_args_provider=extra_args(argv, add_flags))
 
 
 def start(
     argv: Optional[List[str]],
     check: Callable[[argparse.Namespace], DCPConfig],
     model_config_of: Callable[[argparse.Namespace], Any],
+    add_flags: Optional[AddFlags] = None,
 ) -> Tuple[argparse.Namespace, DCPConfig, Any]:
-    """Parse the arguments and run every start-up check: ``check`` (the DCP flags) and
-    ``compat.check_model_config`` on the model config ``model_config_of`` builds. A refusal is
-    one line on rank 0, before megatron's argument dump (held back until the checks pass), and
-    exit status 2 without a traceback (``integration.training.startup_errors``)."""
+    """Parse the arguments (megatron's, the DCP flags and the entry point's ``add_flags``) and
+    run every start-up check: ``check`` (the DCP flags) and ``compat.check_model_config`` on the
+    model config ``model_config_of`` builds (its ``transformer``: the language model's). A
+    refusal is one line on rank 0, before megatron's argument dump (held back until the checks
+    pass), and exit status 2 without a traceback (``integration.training.startup_errors``)."""
     with startup_checks(), held_stdout():
-        args = parse_args(argv)
+        args = parse_args(argv, add_flags)
         config = check(args)
         model_config = model_config_of(args)
         check_model_config(model_config.transformer)
@@ -191,18 +214,42 @@ def train(
     model_config: Any,
     datasets: Callable = datasets_provider,
     schedule_class: type = DCPSchedule,
+    entry: Optional[EntryModel] = None,
 ) -> None:
     """megatron's ``pretrain`` of ``model_config`` under DCP, after :func:`start`. ``datasets``
     and ``schedule_class`` replace the dataset provider and the DCP schedule (the training
-    benchmark runs every global batch once per planner)."""
+    benchmark runs every global batch once per planner); ``entry``: a model megatron builds
+    through a model provider (``pretrain_vlm``), not from ``model_config``."""
     if on_cpu():
         print_rank_0(cpu_notice())
     print_rank_0(describe_cost(config.cost_model))
     apply_patches()
-    install_dcp_schedule(config, log=print_rank_last, schedule_class=schedule_class)
+    vision = entry.vision if entry is not None else None
+    install_dcp_schedule(
+        config, log=print_rank_last, schedule_class=schedule_class, vision=vision
+    )
+    if entry is None:
+        container = pretrain_cfg_container_from_args(args, model_config)
+        pretrain(container, datasets, ModelType.encoder_or_decoder, forward_step)
+        return
+    with warnings.catch_warnings():  # megatron recommends a ModelConfig over a provider
+        warnings.simplefilter("ignore", UserWarning)
+        container = pretrain_cfg_container_from_args(args, None)
     pretrain(
-        pretrain_cfg_container_from_args(args, model_config),
+        container,
         datasets,
         ModelType.encoder_or_decoder,
-        forward_step,
+        entry.forward_step,
+        model_provider=entry.model_provider,
     )
+
+
+@dataclass(frozen=True)
+class EntryModel:
+    """A model megatron.training builds through ``model_provider`` (its signature:
+    ``(pre_process, post_process, config=None, pg_collection=None, vp_stage=None)``), run by
+    ``forward_step``; ``vision``: its image tiles (a vision-language model)."""
+
+    model_provider: Callable[..., Any]
+    forward_step: Callable[..., Any]
+    vision: Optional[VisionSpec] = None
