@@ -40,6 +40,7 @@ from megatron_dcp.integration.vision_batches import (
     IMAGES,
     VISION_SLOT,
     BatchTiles,
+    RoutedImages,
     TileRoute,
     VisionSpec,
     exchange_tiles,
@@ -47,6 +48,7 @@ from megatron_dcp.integration.vision_batches import (
     offset_slots,
     route_tiles,
     split_images,
+    vision_images,
 )
 from megatron_dcp.integration.process_groups import (
     create_dcp_groups,
@@ -113,16 +115,6 @@ class Prepared:
     batches: List[Batch]
     plan: Plan
     stats: BatchStats
-
-
-@dataclass(frozen=True)
-class RoutedImages:
-    """A vision-language batch's tiles: the counts of every sample, and those this rank
-    encodes (global tile id -> flat pixels)."""
-
-    tiles: BatchTiles
-    routed: Mapping[int, torch.Tensor]
-    bytes_received: int
 
 
 @dataclass
@@ -287,7 +279,7 @@ class DCPForwardBackward:
         images: Optional[Sequence[torch.Tensor]],
         comm: Comm,
         device: torch.device,
-    ) -> Optional["RoutedImages"]:
+    ) -> Optional[RoutedImages]:
         """Step 3 for a vision-language batch's tiles: each to the rank of its CP group that
         encodes it, by the text's routing method (``integration.vision_batches``)."""
         if tiles is None or images is None:
@@ -307,7 +299,7 @@ class DCPForwardBackward:
         index: int,
         samples: Mapping[int, Sample],
         device: torch.device,
-        images: Optional["RoutedImages"] = None,
+        images: Optional[RoutedImages] = None,
     ) -> Batch:
         """Step 4: this rank's share of micro-batch ``index``, on ``device`` (with its image
         tiles, for a vision-language model)."""
@@ -332,7 +324,7 @@ class DCPForwardBackward:
     def vision_inputs(
         self,
         group: CPGroup,
-        images: "RoutedImages",
+        images: RoutedImages,
         packed: PackedMicroBatch,
         cp_group: Any,
         device: torch.device,
@@ -474,17 +466,6 @@ def as_sample(item: Mapping[str, Any], vision: bool = False) -> Sample:
             )
         sample[key] = value.reshape(-1).to(SAMPLE_DTYPES.get(key, torch.int64))
     return sample
-
-
-def vision_images(item: Mapping[str, Any]) -> torch.Tensor:
-    """A vision-language sample's tiles ``[tiles, C, H, W]`` (collated ``[1, tiles, C, H, W]``)."""
-    if IMAGES not in item or VISION_SLOT not in item:
-        raise ValueError(
-            f"a vision-language DCP sample needs the fields {(*SAMPLE_KEYS, VISION_SLOT, IMAGES)}; "
-            f"got {sorted(item)}: build it with integration.data.vlm_samples.make_vlm_sample."
-        )
-    images = torch.as_tensor(item[IMAGES])
-    return images[0] if images.dim() == 5 else images
 
 
 def take_samples(iterator: Iterator[Any], count: int, vision: bool = False) -> List[Sample]:

@@ -35,6 +35,7 @@ Sample = Dict[str, torch.Tensor]
 IMAGES = "images"
 PIXELS = "pixels"
 VISION_SLOT = "vision_slot"
+VLM_FIELDS = ("tokens", "labels", "loss_mask", VISION_SLOT, IMAGES)
 PIXEL_SCHEMA = SampleSchema.of({PIXELS: torch.empty(0, dtype=torch.float32)})
 
 
@@ -111,6 +112,27 @@ class BatchTiles:
         """The DP rank holding each tile: its sample's."""
         sample_of = [i for i, count in enumerate(self.tiles) for _ in range(count)]
         return lambda tile: owner_of(sample_of[tile])
+
+
+def vision_images(item: Mapping[str, Any]) -> torch.Tensor:
+    """A vision-language sample's tiles ``[tiles, C, H, W]`` (collated ``[1, tiles, C, H, W]``)."""
+    if IMAGES not in item or VISION_SLOT not in item:
+        raise ValueError(
+            f"a vision-language DCP sample needs the fields {VLM_FIELDS}; "
+            f"got {sorted(item)}: build it with integration.data.vlm_samples.make_vlm_sample."
+        )
+    images = torch.as_tensor(item[IMAGES])
+    return images[0] if images.dim() == 5 else images
+
+
+@dataclass(frozen=True)
+class RoutedImages:
+    """A vision-language batch's tiles: the counts of every sample, and those this rank
+    encodes (global tile id -> flat pixels)."""
+
+    tiles: BatchTiles
+    routed: Mapping[int, torch.Tensor]
+    bytes_received: int
 
 
 def exchange_tiles(images: Sequence[torch.Tensor], dp_group: Any) -> BatchTiles:

@@ -36,6 +36,7 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
         "integration/megatron_import.py",
         "integration/process_groups.py",
         "integration/forward_backward.py",
+        "integration/vision_batches.py",
         "integration/patches/cp_switching.py",
         "integration/patches/gdn_switching.py",
         "pretrain_mamba.py",
