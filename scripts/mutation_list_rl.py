@@ -14,6 +14,8 @@ DISTILL_TESTS = (RL_MODELS + "test_distillation_equals_single_process",)
 ADAPTERS = "megatron_dcp/adapters/"
 VERL_CRITIC = "tests/integration/test_verl_critic.py::"
 VERL_DISTILL = "tests/integration/test_verl_distill.py::"
+VALUE_CLIP_TESTS = ("tests/integration/test_value_clip.py",)
+DEV_CONTRACT_TESTS = ("tests/integration/test_dev_api_contract.py",)
 
 RL_MODEL_MUTANTS = (
     Mutant(
@@ -31,6 +33,22 @@ RL_MODEL_MUTANTS = (
         "out[:] = flat",
         VALUE_TESTS,
         "missing right-shift: merged values are returned at their output positions",
+    ),
+    Mutant(
+        "value-clip-upper-side-doubled",
+        ADAPTERS + "value.py",
+        "(values - old_values).clamp(-clip_range, clip_range)",
+        "(values - old_values).clamp(-clip_range, 2 * clip_range)",
+        VALUE_CLIP_TESTS,
+        "asymmetric clip: v − v_old clipped to [−ε, 2ε]; values between ε and 2ε pass unclipped",
+    ),
+    Mutant(
+        "dev-scheduler-swallows-arguments",
+        "megatron_dcp/integration/megatron_dev_api.py",
+        "        pad_sequences: bool = False,\n    ) -> None:",
+        "        pad_sequences: bool = False,\n        **_: Any,\n    ) -> None:",
+        DEV_CONTRACT_TESTS,
+        "dev's scheduler stand-in swallows unknown constructor arguments: a misspelt one is lost",
     ),
     Mutant(
         "scalar-head-no-sequence-gather",

@@ -66,3 +66,21 @@ def test_the_recorded_floors_name_every_layer():
     floors = json.loads(counter.FLOORS.read_text())
     assert sorted(floors) == sorted(counter.LAYERS)
     assert all(isinstance(n, int) and n > 0 for n in floors.values())
+
+
+def test_one_file_lost_from_a_layer_that_keeps_others_fails():
+    """The unit layer keeps ``test_a.py`` but loses ``scheduling/test_b.py``: 3 tests of a floor
+    of 7, a layer still collected (not empty), so only the floor itself catches it."""
+    listing = LISTING.replace("tests/unit/scheduling/test_b.py: 4\n", "")
+    counts = counter.count_by_layer(listing)
+    assert counts["unit"] == 3
+    assert counter.shortfalls(counts, FULL) == ["unit: 3 tests collected, floor 7"]
+
+
+def test_a_single_test_below_the_floor_fails():
+    """A floor is exact: a large layer one test short of it fails (a floor check loosened by
+    any margin passes this)."""
+    floors = {**FULL, "unit": 500}
+    counts = {**FULL, "unit": 499}
+    assert counter.shortfalls(counts, floors) == ["unit: 499 tests collected, floor 500"]
+    assert counter.shortfalls({**counts, "unit": 500}, floors) == []
