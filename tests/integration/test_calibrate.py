@@ -72,7 +72,8 @@ def test_a_point_takes_its_slowest_member_and_its_fastest_pass():
         [[0.3, 0.9, 0.8], [2.5, 1.0]],
     ]
     assert point_times(per_rank, points) == [0.3, 2.5]
-    assert Point((64, 64), 2).features() == [64.0, 0.0, 4096.0, 64.0, 1.0, 1.0, 0.0, 2.0]
+    # the last feature, vision, is 0: calibration points run no encoder
+    assert Point((64, 64), 2).features() == [64.0, 0.0, 4096.0, 64.0, 1.0, 1.0, 0.0, 2.0, 0.0]
 
 
 def test_nproc_beyond_the_cores_is_refused(capsys, tmp_path):

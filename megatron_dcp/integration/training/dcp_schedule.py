@@ -29,7 +29,7 @@ from megatron_dcp.scheduling.cost_fit import (
 from megatron_dcp.scheduling.metrics import imbalance as max_over_mean
 
 # Short names of the refined coefficients in the log line (cost_fit.FEATURES, in order).
-COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb", "spill", "seq")
+COEFFICIENT_LABELS = ("a", "b", "b_cp", "comm", "ring", "mb", "spill", "seq", "vis")
 # The [DCP] line's words for an untimed step (adaptation off and no tool asking for the times).
 NOT_TIMED = "step not timed (--dcp-cost-adapt off)"
 
@@ -176,6 +176,8 @@ class DCPSchedule:
             skipped.add("spill")  # no cache size: nothing spills
         if prior.sequence == 0:
             skipped.add("seq")  # kernels that take a whole pack at once
+        if prior.vision == 0:
+            skipped.add("vis")  # no vision encoder
         factors = " ".join(
             f"{label} {factor:.3g}"
             for label, factor in zip(COEFFICIENT_LABELS, self.refinement.factors)

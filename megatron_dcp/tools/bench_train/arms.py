@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dcp.integration.model_cost import predicted_step_time
 from megatron_dcp.scheduling import CostModel, Plan
@@ -61,6 +61,7 @@ class ArmPlan:
     features: List[List[float]]  # per position, ``cost_fit.FEATURES``
     microbatch_features: List[List[List[float]]]  # per position, per micro-batch
     sequences: List[List[Tuple[int, int]]]  # per position, (length, CP size) of what it runs
+    patches: int = 0  # the batch's vision-encoder patches (0: a text batch)
 
 
 class ArmRotation(Scheduler):
@@ -92,18 +93,23 @@ class ArmRotation(Scheduler):
         for scheduler in getattr(self, "schedulers", {}).values():
             scheduler.cost_model = cost
 
-    def schedule(self, seqlens) -> Plan:
+    def schedule(self, seqlens, patches=None) -> Plan:
+        """The plan of the arm whose turn it is; ``patches``: each sample's vision-encoder
+        patches (a vision-language batch), which every arm's plan carries and prices."""
         batch, arm = arm_at(self.calls + 1, self.arms)
         if self.calls % len(self.arms) == 0:
-            self.plans = self.plan_every_arm(list(seqlens), batch)
+            counts = None if patches is None else list(patches)
+            self.plans = self.plan_every_arm(list(seqlens), batch, counts)
         self.calls += 1
         return self.plans[arm]
 
-    def plan_every_arm(self, seqlens: List[int], batch: int) -> Dict[str, Plan]:
+    def plan_every_arm(
+        self, seqlens: List[int], batch: int, patches: Optional[List[int]] = None
+    ) -> Dict[str, Plan]:
         plans, figures = {}, []
         for name, scheduler in self.schedulers.items():
             start = time.perf_counter()
-            plans[name] = scheduler.schedule(seqlens)
+            plans[name] = scheduler.schedule(seqlens, patches)
             figures.append(arm_plan(name, plans[name], self.cost_model, start))
         self.record(batch, figures)
         return plans
@@ -123,6 +129,7 @@ def arm_plan(name: str, plan: Plan, cost: CostModel, start: float) -> ArmPlan:
         features=rank_features(plan, cost.nodes, cost.spill_elements),
         microbatch_features=microbatch_features(plan, cost.nodes, cost.spill_elements),
         sequences=sequences_per_position(plan),
+        patches=sum(plan.patches),
     )
 
 

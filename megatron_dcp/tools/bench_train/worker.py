@@ -1,5 +1,6 @@
-"""What each rank of a ``bench-train`` run executes: the training entry point (pretrain_gpt or
-pretrain_mamba, megatron's own loop) with three changes that make its arms comparable.
+"""What each rank of a ``bench-train`` run executes: the training entry point (pretrain_gpt,
+pretrain_mamba or pretrain_vlm, megatron's own loop) with three changes that make its arms
+comparable.
 
 - **Every global batch n times.** The training dataset is wrapped so that its global batch
   ``b`` is read ``n`` times in a row (n arms): iteration ``t`` reads batch ``(t − 1) // n``.
@@ -12,6 +13,7 @@ pretrain_mamba, megatron's own loop) with three changes that make its arms compa
   ``megatron-dcp replay-refinement`` replays.
 - **Digests.** Each rank hashes the samples it reads, one digest per global batch read
   (``digests/rank<r>.txt``): the command checks that every arm of a batch saw the same samples.
+  A vision-language sample's digest covers its pixels (``images``) and image slots too.
 
 The command passes its settings in the environment (:data:`SPEC_VARIABLE`, JSON): megatron's
 parser sees only megatron's and the DCP flags. ``perturb_arm`` (tests only) changes one token of
@@ -114,11 +116,12 @@ class DigestingIterator:
         return self
 
     def __next__(self) -> Any:
-        from megatron_dcp.integration.forward_backward import SAMPLE_KEYS, as_sample
+        from megatron_dcp.integration.forward_backward import as_sample
+        from megatron_dcp.integration.vision_batches import IMAGES
 
         item = next(self.inner)
-        sample = as_sample(item)
-        for key in SAMPLE_KEYS:
+        sample = as_sample(item, vision=IMAGES in item)  # with its images and image slots
+        for key in sorted(sample):
             self.hasher.update(sample[key].numpy().tobytes())
         self.seen += 1
         if self.seen == self.per_batch:
@@ -249,15 +252,31 @@ def main(
     if before_prepare is not None:
         before_prepare()
     args, config, model_config = entry.prepare()
-    from megatron_dcp.integration.training.entry import datasets_provider, train
+    from megatron_dcp.integration.training.entry import train
 
+    provider, entry_model = entry_parts(entry, model_config)
     train(
         args,
         replace(config, time_steps=True),  # a benchmark measures, whatever --dcp-cost-adapt says
         model_config,
-        datasets=repeated_provider(datasets_provider, spec, args.global_batch_size),
+        datasets=repeated_provider(provider, spec, args.global_batch_size),
         schedule_class=schedule_class_of(spec),
+        entry=entry_model,
     )
+
+
+def entry_parts(entry: Any, model_config: Any) -> "tuple[Callable, Any]":
+    """The dataset provider and the model the entry point's own ``main`` trains with: for
+    ``pretrain_vlm``, its samples with images and LLaVA built through its model provider (as
+    its ``main`` builds them); for the text entry points, training's datasets and no provider
+    (the model comes from ``model_config``)."""
+    from megatron_dcp.integration.training.entry import EntryModel, datasets_provider
+
+    if not hasattr(entry, "vlm_datasets_provider"):
+        return datasets_provider, None
+    tiles = model_config.spec
+    model = EntryModel(entry.model_provider(model_config), entry.vlm_forward_step, tiles)
+    return entry.vlm_datasets_provider(tiles.tokens_per_tile), model
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from megatron_dcp.tools.link.launch import LinkSpec
 
 PROG = "megatron-dcp bench-train"
 WORKER_ENTRY = "tools.bench_train.worker"  # run as ``python -m megatron_dcp.<entry>``
-ENTRIES = ("pretrain_gpt", "pretrain_mamba")
+ENTRIES = ("pretrain_gpt", "pretrain_mamba", "pretrain_vlm")
 DEFAULTS: Dict[str, object] = {
     "--num-layers": 4,
     "--hidden-size": 256,
@@ -62,12 +62,27 @@ DEFAULTS: Dict[str, object] = {
     "--eval-iters": 0,
     "--eval-interval": 1000000,
 }
+# Added for ``--entry pretrain_vlm`` (megatron-core's LLaVA) where not given: a tiny CLIP ViT on
+# 64-pixel tiles of 16-pixel patches (16 patches and the class token a tile), so that a CPU step
+# encodes its tiles in a share of the step like the language model's. ``estimate`` takes the same
+# defaults for vision-language data: the same flags mean the same model in both commands.
+VLM_DEFAULTS: Dict[str, object] = {
+    "--vision-num-layers": 2,
+    "--vision-hidden-size": 128,
+    "--vision-num-attention-heads": 4,
+    "--img-h": 64,
+    "--img-w": 64,
+    "--patch-dim": 16,
+}
 # Added where the ranks compute on the CPU (``cuda_ranks``): the next batch prepared between the
 # steps, not in a background thread; samples read in the rank's process, not by data-loader
 # worker processes (whose samples cross to the rank one shared-memory handle per tensor).
 CPU_DEFAULTS: Dict[str, object] = {"--dcp-prefetch": "off", "--num-workers": 0}
 # The data sources of the training entry point besides the default mock lengths.
 DATA_SOURCES = ("--sft-data", "--varlen-lengths-file", "--data-path")
+# pretrain_vlm's conversations with images: they replace the mock lengths too (pretrain_vlm
+# refuses --varlen-distribution beside them).
+VLM_DATA_SOURCES = ("--vlm-data",)
 # Set by the command whatever the user passes: the run is a benchmark of these arms.
 FORCED_FLAGS = ("--dynamic-context-parallel", "--log-interval", "--train-iters")
 # With --link-rate, bench-train passes the probed link bandwidth unless one of these is given.
@@ -200,19 +215,24 @@ def link_spec(options: argparse.Namespace, extra: Sequence[str]) -> Optional[Lin
     return LinkSpec(options.link_rate, rate, nodes, options.nproc, options.out, prior)
 
 
-def training_flags(extra: Sequence[str], nproc: int, iterations: int) -> List[str]:
-    """:data:`DEFAULTS` under the user's flags, DP 1 × CP ``nproc`` unless given, and the
-    flags the benchmark needs."""
+def training_flags(
+    extra: Sequence[str], nproc: int, iterations: int, entry: str = "pretrain_gpt"
+) -> List[str]:
+    """:data:`DEFAULTS` (and :data:`VLM_DEFAULTS` for ``pretrain_vlm``) under the user's flags,
+    DP 1 × CP ``nproc`` unless given, and the flags the benchmark needs."""
     from megatron_dcp.tools.launcher import flag_list
 
     given = given_flags(extra)
     forced = sorted(given.intersection(FORCED_FLAGS))
     if forced:
         raise ValueError(f"{', '.join(forced)}: bench-train sets these itself; leave them out.")
-    defaults = {flag: value for flag, value in DEFAULTS.items() if flag not in given}
+    entry_defaults = {**DEFAULTS, **(VLM_DEFAULTS if entry == "pretrain_vlm" else {})}
+    defaults = {flag: value for flag, value in entry_defaults.items() if flag not in given}
     if "--context-parallel-size" not in given:
         defaults["--context-parallel-size"] = nproc
-    if "--varlen-distribution" in defaults and given.intersection(DATA_SOURCES):
+    if "--varlen-distribution" in defaults and given.intersection(
+        DATA_SOURCES + VLM_DATA_SOURCES
+    ):
         del defaults["--varlen-distribution"]  # the user's data replaces the mock lengths
     if not cuda_ranks():  # no idle core for background work: see cuda_ranks
         defaults.update({f: v for f, v in CPU_DEFAULTS.items() if f not in given})
@@ -264,7 +284,7 @@ def run_bench(
     for stale in stale_files:
         stale.unlink(missing_ok=True)
     iterations = args.batches * len(arms)
-    flags = training_flags(extra, args.nproc, iterations)
+    flags = training_flags(extra, args.nproc, iterations, args.entry)
     if link is not None and link.nodes > 1 and "--dcp-ranks-per-node" not in extra:
         flags += ["--dcp-ranks-per-node", str(args.nproc // link.nodes)]
     profiled = range(args.warmup, args.warmup + getattr(args, "profile", 0))

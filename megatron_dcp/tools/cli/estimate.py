@@ -1,7 +1,9 @@
 """``megatron-dcp estimate``: "should I use DCP on my data?", answered before any GPU time.
 
     megatron-dcp estimate --data-path PREFIX | --sft-data FILE --tokenizer-model DIR |
-        --hf-dataset NAME --text-field F | --lengths FILE  [--batches 8] [--json FILE] \\
+        --hf-dataset NAME --text-field F | --lengths FILE |
+        --vlm-data FILE.jsonl --tokenizer-model DIR | --vlm-images-per-sample SPEC ...
+        [--batches 8] [--json FILE] \\
         [megatron's model and parallel flags: --num-layers ... --nproc 8
          --tensor-model-parallel-size 1 --context-parallel-size 4 --global-batch-size 64
          --max-seqlen-per-dp-cp-rank 8192] [--hardware-profile NAME | --dcp-cost-profile FILE |
@@ -11,7 +13,10 @@ The first ``--batches`` global batches of the data (``tools.estimate.sources``) 
 static CP, DCP and Megatron dev's planner under the model's cost model, built by the functions
 training builds it with (``integration.model_cost``); each arm's step time is its plan's
 critical path plus the step rest (``tools.estimate.step_rest``). Model flags not given take
-``bench-train``'s defaults, so that the same flags mean the same model in both commands.
+``bench-train``'s defaults, so that the same flags mean the same model in both commands. On
+vision-language data (``tools.estimate.vlm``) each batch's combined lengths are planned with
+each sample's encoder patches, priced by the cost model's ``vision`` term (from the vision
+flags).
 """
 
 from __future__ import annotations
@@ -46,7 +51,16 @@ from megatron_dcp.tools.compare import DomainSpec
 from megatron_dcp.tools.estimate.answer import MIN_GAIN, Estimate, as_dict, batches_of
 from megatron_dcp.tools.estimate.answer import format_estimate
 from megatron_dcp.tools.estimate.arm_plans import plan_batches
-from megatron_dcp.tools.estimate.sources import read_samples
+from megatron_dcp.tools.estimate.sources import (
+    add_vlm_flags,
+    batch_patches,
+    image_summary,
+    prepare_vlm_args,
+    read_samples,
+    refuse_typos,
+    vlm_mode,
+    vlm_samples,
+)
 from megatron_dcp.tools.estimate.step_rest import StepRest, measured_step_rest
 from megatron_dcp.tools.estimate.step_rest import predicted_step_rest
 from megatron_dcp.tools.progress import Progress
@@ -149,7 +163,7 @@ def estimate_parser() -> argparse.ArgumentParser:
         description="Predict static CP, DCP and Megatron dev's planner on your data.",
         allow_abbrev=False,
     )
-    for add in (add_data_flags, add_model_flags, add_layout_flags, add_cost_flags):
+    for add in (add_data_flags, add_vlm_flags, add_model_flags, add_layout_flags, add_cost_flags):
         add(p)
     return p
 
@@ -257,22 +271,35 @@ def progress_reporter(total: int) -> Callable[[int], None]:
 def build_estimate(args: argparse.Namespace) -> Estimate:
     """Read, plan and price the data's first batches (ValueErrors name the flags)."""
     spec = domain_of(args)
+    vision = vlm_mode(args)
+    if vision:
+        prepare_vlm_args(args)
     args.vocab_size = vocabulary(args)
     shape = model_shape(args)
     hardware, cost, label = hardware_and_cost(args, shape)
     rest = step_rest(args, shape, hardware, spec)
-    samples = read_samples(args, args.batches * args.global_batch_size)
+    count = args.batches * args.global_batch_size
+    samples = vlm_samples(args, count) if vision else read_samples(args, count)
     batches = batches_of(samples.lengths, args.global_batch_size)
     domain = spec.domain()
     if max(samples.lengths) > domain.max_tokens_per_sequence:
         raise domain.longest_too_long_error(samples.lengths)
-    arms = plan_batches(batches, spec, cost, progress_reporter(len(batches)))
-    return Estimate(samples.source, batches, spec, label, rest, arms, args.min_gain, samples.notes)
+    patches = batch_patches(samples.patches, args.global_batch_size)
+    arms = plan_batches(batches, spec, cost, progress_reporter(len(batches)), patches)
+    result = Estimate(samples.source, batches, spec, label, rest, arms, args.min_gain,
+                      samples.notes, patches, cost.vision)  # fmt: skip
+    if vision:
+        used = samples.tiles[: len(batches) * args.global_batch_size]
+        result.notes.insert(0, image_summary(used, sum(patches, []), cost.vision))
+        if not cost.vision:
+            result.notes.append("the cost model has no vision term: the patches are not priced")
+    return result
 
 
 def estimate(argv: Sequence[str]) -> int:
     """The whole command; returns the exit code (bad input: ValueError, exit 2 from main)."""
     args, unknown = estimate_parser().parse_known_args(list(argv))
+    refuse_typos(sorted(given_flags(unknown)))
     if args.min_gain < 1:
         raise ValueError(f"--min-gain={args.min_gain}: a speedup bar, ≥ 1 (e.g. 1.05).")
     ignored = sorted(given_flags(unknown))

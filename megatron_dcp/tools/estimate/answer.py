@@ -33,10 +33,29 @@ class Estimate:
     arms: Dict[str, ArmPlans]
     min_gain: float = MIN_GAIN
     notes: List[str] = field(default_factory=list)
+    # Vision-language data: each batch's encoder patches per sample (empty: text), and the cost
+    # model's seconds per patch.
+    patches: List[List[int]] = field(default_factory=list)
+    vision: float = 0.0
 
     @property
     def lengths(self) -> List[int]:
         return [length for batch in self.batches for length in batch]
+
+    @property
+    def has_images(self) -> bool:
+        return any(count for batch in self.patches for count in batch)
+
+    def encoder_share(self, arm: str) -> Optional[float]:
+        """The vision encoder's share of the arm's predicted step: Σ over the planned batches of
+        its seconds on the critical path over Σ of the step times."""
+        pairs = [
+            (encoder, time)
+            for encoder, time in zip(self.arms[arm].encoder_s, self.step_times(arm))
+            if encoder is not None and time is not None
+        ]
+        total = sum(time for _, time in pairs)
+        return sum(encoder for encoder, _ in pairs) / total if total else None
 
     def step_times(self, arm: str) -> List[Optional[float]]:
         """Per batch: the arm's critical path plus the step rest (None: no plan)."""
@@ -125,8 +144,9 @@ def why_not(estimate: Estimate, gain: float) -> str:
 def arm_row(estimate: Estimate, arm: str) -> List[str]:
     plans = estimate.arms[arm]
     title = plans.title(estimate.spec.cp_size)
+    encoder = [encoder_cell(estimate.encoder_share(arm))] if estimate.has_images else []
     if not plans.planned:
-        return [title, "n/a", "n/a", "", "", ""]
+        return [title, "n/a", "n/a", "", "", "", *encoder]
     times = [t for t in estimate.step_times(arm) if t is not None]
     paths = [report.critical_path for report in plans.planned]
     microbatches = statistics.mean(report.num_microbatches for report in plans.planned)
@@ -137,12 +157,26 @@ def arm_row(estimate: Estimate, arm: str) -> List[str]:
         f"{microbatches:.1f}",
         f"{plans.peak_tokens_per_rank():.0f}",
         format_histogram(plans.cp_size_histogram()),
+        *encoder,
     ]
+
+
+def encoder_cell(share: Optional[float]) -> str:
+    return "n/a" if share is None else f"{share:.1%}"
 
 
 HEADER = (
     "arm", "step ms", "critical path ms", "micro-batches", "peak tok/rank", "CP sizes (size:seqs)"
 )  # fmt: skip
+ENCODER_COLUMN = "encoder % of step"
+
+
+def table(estimate: Estimate) -> str:
+    """One row per arm; with the encoder's share of the step where the data has images."""
+    rows = [arm_row(estimate, arm) for arm in estimate.arms]
+    if estimate.has_images:
+        return render_table((*HEADER, ENCODER_COLUMN), rows, "lrrrrlr")
+    return render_table(HEADER, rows, "lrrrrl")
 
 
 def format_estimate(estimate: Estimate) -> str:
@@ -155,7 +189,7 @@ def format_estimate(estimate: Estimate) -> str:
         f"   {estimate.spec.describe()} | cost model {estimate.cost_model} | "
         f"{estimate.rest.describe()}",
         *[f"   note: {note}" for note in estimate.notes],
-        render_table(HEADER, [arm_row(estimate, arm) for arm in estimate.arms], "lrrrrl"),
+        table(estimate),
     ]
     for arm, plans in estimate.arms.items():
         for note in plans.notes:
@@ -168,13 +202,15 @@ def arm_dict(estimate: Estimate, arm: str) -> Dict[str, Any]:
     plans, times = estimate.arms[arm], estimate.step_times(arm)
     known = [t for t in times if t is not None]
     per_batch = [
-        None if report is None else {**report.as_dict(), "step_time_s": time}
-        for report, time in zip(plans.reports, times)
+        None if report is None else {**report.as_dict(), "step_time_s": time, **encoder}
+        for report, time, encoder in zip(plans.reports, times, encoder_fields(plans, estimate))
     ]
+    vision = {"encoder_share": estimate.encoder_share(arm)} if estimate.has_images else {}
     return {
         "title": plans.title(estimate.spec.cp_size),
         "scheduler": ARM_SCHEDULERS[arm],
         "step_time_s": statistics.mean(known) if known else None,
+        **vision,
         "batches_planned": len(known),
         "peak_tokens_per_rank": plans.peak_tokens_per_rank(),
         "cp_size_histogram": {str(k): v for k, v in plans.cp_size_histogram().items()},
@@ -183,10 +219,33 @@ def arm_dict(estimate: Estimate, arm: str) -> Dict[str, Any]:
     }
 
 
+def encoder_fields(plans: ArmPlans, estimate: Estimate) -> List[Dict[str, Any]]:
+    """Per batch, the encoder's seconds on the arm's critical path (vision-language data)."""
+    if not estimate.has_images:
+        return [{} for _ in plans.reports]
+    return [{"encoder_s": seconds} for seconds in plans.encoder_s]
+
+
+def vlm_dict(estimate: Estimate) -> Dict[str, Any]:
+    """Vision-language data: each batch's patches, how many samples had images, the term."""
+    if not estimate.patches:
+        return {}
+    counts = [count for batch in estimate.patches for count in batch]
+    return {
+        "vlm": {
+            "samples_with_images": sum(1 for count in counts if count),
+            "samples": len(counts),
+            "patches": estimate.patches,
+            "vision_s_per_patch": estimate.vision,
+        }
+    }
+
+
 def as_dict(estimate: Estimate) -> Dict[str, Any]:
     """Everything the table shows, per batch, with the lengths and the verdict."""
     judged = verdict(estimate)
     return {
+        **vlm_dict(estimate),
         "source": estimate.source,
         "notes": estimate.notes,
         "global_batches": len(estimate.batches),

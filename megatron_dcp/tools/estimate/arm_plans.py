@@ -4,12 +4,19 @@ DCP, Megatron dev's planner) under one cost model, with the simulator's report o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_dcp.scheduling import CostModel
-from megatron_dcp.tools.compare import DEV_PEER_ALIAS, DomainSpec, SchedulerResult, run_scheduler
-from megatron_dcp.tools.plan_report import Report
+from megatron_dcp.scheduling import CostModel, Scheduler, build_scheduler
+from megatron_dcp.scheduling.metrics import critical_path
+from megatron_dcp.tools.compare import (
+    DEV_PEER_ALIAS,
+    DomainSpec,
+    SchedulerResult,
+    run_scheduler,
+    scheduler_kwargs,
+)
+from megatron_dcp.tools.plan_report import Report, report, timed_schedule
 
 # bench-train's arm name -> the scheduler the simulator runs for it.
 ARM_SCHEDULERS = {
@@ -27,6 +34,8 @@ class ArmPlans:
     arm: str
     reports: List[Optional[Report]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    # Per batch: the vision encoder's seconds on the critical path (None: no plan).
+    encoder_s: List[Optional[float]] = field(default_factory=list)
 
     @property
     def planned(self) -> List[Report]:
@@ -58,19 +67,56 @@ def plan_batches(
     spec: DomainSpec,
     cost: CostModel,
     on_batch: Callable[[int], None] = lambda done: None,
+    patches: Sequence[Sequence[int]] = (),
 ) -> Dict[str, ArmPlans]:
-    """Every batch planned by every arm over ``spec``'s domain under ``cost``; ``on_batch(b)``
-    after batch ``b`` (1-based count) is planned (a progress line)."""
+    """Every batch planned by every arm over ``spec``'s domain under ``cost`` (with each
+    sample's encoder ``patches`` per batch, a vision-language batch: empty for text);
+    ``on_batch(b)`` after batch ``b`` (1-based count) is planned (a progress line)."""
     arms = {arm: ArmPlans(arm) for arm in ARM_SCHEDULERS}
     model = spec.priced(cost)
     for index, lengths in enumerate(batches):
+        counts = list(patches[index]) if patches else None
         for arm, name in ARM_SCHEDULERS.items():
-            result: SchedulerResult = run_scheduler(name, list(lengths), spec, model)
+            result, encoder = plan_arm(name, list(lengths), spec, model, counts)
             arms[arm].reports.append(result.report)
+            arms[arm].encoder_s.append(encoder)
             if result.report is None and result.note not in arms[arm].notes:
                 arms[arm].notes.append(result.note)
         on_batch(index + 1)
     return arms
+
+
+def plan_arm(
+    name: str,
+    lengths: List[int],
+    spec: DomainSpec,
+    cost: CostModel,
+    patches: Optional[List[int]] = None,
+) -> Tuple[SchedulerResult, Optional[float]]:
+    """The simulator's result of one arm on one batch (``compare.run_scheduler``) and, with
+    ``patches``, the seconds of its critical path that are the vision encoder's: the critical
+    path of the same plan less that plan priced without the ``vision`` term (0 for text)."""
+    if not patches or not any(patches) or not cost.vision:
+        result = run_scheduler(name, lengths, spec, cost)
+        return result, (None if result.report is None else 0.0)
+    try:
+        scheduler = arm_scheduler(name, spec, cost)
+        plan, elapsed = timed_schedule(scheduler, lengths, patches)
+    except ValueError:  # no plan: run_scheduler words the note as it does for text
+        return run_scheduler(name, lengths, spec, cost, patches=patches), None
+    title = scheduler.name or name
+    result = SchedulerResult(title, report(title, plan, cost, elapsed))
+    without = critical_path(plan, replace(cost, vision=0.0))
+    return result, critical_path(plan, cost) - without
+
+
+def arm_scheduler(name: str, spec: DomainSpec, cost: CostModel) -> Scheduler:
+    """The scheduler ``run_scheduler`` runs for an arm, built the same way."""
+    if name == DEV_PEER_ALIAS:
+        from megatron_dcp.tools.peers.megatron_dev_greedy import DevGreedyPeer
+
+        return DevGreedyPeer(**scheduler_kwargs(spec, cost))
+    return build_scheduler(name, **scheduler_kwargs(spec, cost))
 
 
 def plans_by_batch(arms: Dict[str, ArmPlans]) -> Dict[int, Dict[str, Dict[str, float]]]:

@@ -10,16 +10,27 @@ them: exactly one source, each sample's length ``L`` at most ``--seq-length``.
   and truncated as ``--varlen-lengths-file`` is (no torch);
 - ``--hf-dataset NAME --text-field F`` (``json``/``parquet`` with ``--data-files``): the rows in
   a seeded order, each text's tokens with ``--tokenizer-model``, else its whitespace-separated
-  words (the output says which); needs the ``datasets`` package.
+  words (the output says which); needs the ``datasets`` package;
+- vision-language data (megatron-core's LLaVA, ``pretrain_vlm``: any of its data or vision
+  flags): the datasets ``pretrain_vlm`` trains on (``integration.data.vlm_datasets``:
+  ``--vlm-data FILE.jsonl`` with ``--tokenizer-model DIR``, or mock samples with images, their
+  text lengths from ``--varlen-*``), only the samples' layouts read (no pixel decoded): each
+  sample's *combined* length (text plus image tokens, what the planner plans) and its encoder
+  patches (tiles × patches per tile, class token included: what the ``vision`` term prices). A
+  vision flag not given takes ``bench-train --entry pretrain_vlm``'s default
+  (``cli.bench_train.VLM_DEFAULTS``): the same flags mean the same model in both commands.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from megatron_dcp.tools.cli.args import positive_int
+from megatron_dcp.tools.cli.bench_train import DEFAULTS, VLM_DEFAULTS
 from megatron_dcp.tools.workloads import read_lengths
 
 TRAINING_SOURCES = ("--data-path", "--sft-data", "--varlen-distribution", "--varlen-lengths-file")
@@ -34,6 +45,8 @@ class Samples:
     lengths: List[int]
     source: str
     notes: List[str] = field(default_factory=list)
+    patches: Optional[List[int]] = None  # vision-language data: each sample's encoder patches
+    tiles: Optional[List[int]] = None  # and its image tiles
 
 
 def attribute(flag: str) -> str:
@@ -186,3 +199,163 @@ def token_counter(args: argparse.Namespace) -> "tuple[Callable[[str], int], str]
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_model)
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     return count, f"tokens of {args.tokenizer_model}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Vision-language data
+
+# pretrain_vlm's vision and data flags estimate reads: (type, help); default None (not given).
+VISION_FLAGS: Dict[str, Tuple[Any, str]] = {
+    "--vision-num-layers": (positive_int, "ViT layers (a vision flag turns on VLM data; 2)"),
+    "--vision-hidden-size": (positive_int, "ViT width (128)"),
+    "--vision-num-attention-heads": (positive_int, "ViT heads (4)"),
+    "--vision-ffn-hidden-size": (positive_int, "ViT MLP size (4 × width)"),
+    "--vision-model-type": (str, "the encoder: clip, as pretrain_vlm builds"),
+    "--img-h": (positive_int, "tile height in pixels (64)"),
+    "--img-w": (positive_int, "tile width in pixels (64)"),
+    "--patch-dim": (positive_int, "ViT patch size in pixels (16)"),
+}
+VLM_DATA_FLAGS: Dict[str, Tuple[Any, str]] = {
+    "--vlm-data": (str, "conversations with images (JSONL), with --tokenizer-model"),
+    "--vlm-images-per-sample": (str, "mock images per sample, VALUE:WEIGHT,..."),
+    "--vlm-tiles-per-image": (str, "mock tiles per image, VALUE:WEIGHT,..."),
+    "--max-num-tiles": (positive_int, "most tiles an image is cut into (1)"),
+}
+CLASS_TOKEN_FLAG = "--disable-vision-class-token"
+# pretrain_vlm's flags that change no planned length or patch count: listed in the note of flags
+# estimate does not read (the projector's MLP is not in the cost model).
+UNPRICED_FLAGS = ("--vision-projection-ffn-hidden-size", "--num-channels")
+# Text sources a vision-language model does not read (pretrain_vlm refuses the first two).
+TEXT_ONLY_SOURCES = ("--data-path", "--sft-data", "--lengths", "--hf-dataset")
+
+
+def add_vlm_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "vision-language data and model (pretrain_vlm's flags; any one of them turns it on)"
+    )
+    for flag, (kind, text) in {**VLM_DATA_FLAGS, **VISION_FLAGS}.items():
+        group.add_argument(flag, type=kind, default=None, help=text)
+    group.add_argument(CLASS_TOKEN_FLAG, action="store_true", default=None,
+                       help="the language model sees a tile's patches only")  # fmt: skip
+
+
+def vlm_mode(args: argparse.Namespace) -> bool:
+    """Whether a vision-language flag was given (data or model)."""
+    flags = (*VLM_DATA_FLAGS, *VISION_FLAGS, CLASS_TOKEN_FLAG)
+    return any(getattr(args, attribute(flag), None) is not None for flag in flags)
+
+
+def refuse_typos(unknown: Iterable[str]) -> None:
+    """A flag estimate does not know that reads like a vision-language one is a typo: refused,
+    with the flag it is closest to (other unknown flags are listed in a note)."""
+    known = [*VLM_DATA_FLAGS, *VISION_FLAGS, CLASS_TOKEN_FLAG]
+    prefixes = ("--vision", "--vlm", "--img", "--patch", "--max-num-tile")
+    for flag in unknown:
+        if flag in UNPRICED_FLAGS:
+            continue
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+        if close or flag.startswith(prefixes):
+            hint = f"did you mean {close[0]}?" if close else f"its flags are {', '.join(known)}"
+            raise ValueError(f"{flag}: not a flag of estimate; {hint} (docs/estimate.md).")
+
+
+def prepare_vlm_args(args: argparse.Namespace) -> None:
+    """Fill the vision flags not given with bench-train's defaults and check them as
+    pretrain_vlm does (``vlm_entry.check_vision_type``, ``check_vision_shape``); refuse a text
+    source next to them."""
+    for flag in TEXT_ONLY_SOURCES:
+        value = getattr(args, attribute(flag), None)
+        if value:
+            raise ValueError(
+                f"{flag}={value!r} with vision-language flags: a vision-language model reads "
+                "--vlm-data FILE.jsonl (or mock samples with images, their text lengths from "
+                f"--varlen-distribution or --varlen-lengths-file); remove {flag} or the "
+                "vision flags."
+            )
+    for flag, value in VLM_DEFAULTS.items():
+        if getattr(args, attribute(flag), None) is None:
+            setattr(args, attribute(flag), value)
+    args.vision_model_type = args.vision_model_type or "clip"
+    args.max_num_tiles = args.max_num_tiles or 1
+    args.disable_vision_class_token = bool(args.disable_vision_class_token)
+    args.num_channels = 3
+    if not (args.vlm_data or args.varlen_distribution or args.varlen_lengths_file):
+        args.varlen_distribution = DEFAULTS["--varlen-distribution"]  # bench-train's text
+    from megatron_dcp.integration.training.vlm_entry import check_vision_shape, check_vision_type
+
+    check_vision_type(args.vision_model_type)
+    check_vision_shape(args)
+
+
+def vlm_samples(args: argparse.Namespace, count: int) -> Samples:
+    """The first ``count`` samples of pretrain_vlm's train dataset: combined lengths and
+    encoder patches, in training's order (``--seed``)."""
+    from megatron_dcp.integration.data.indexed import DEFAULT_SPLIT
+    from megatron_dcp.integration.data.vlm_datasets import VLMDataConfig, build_vlm_datasets
+    from megatron_dcp.integration.training.vlm_entry import vision_spec
+
+    spec = vision_spec(args)
+    chat = chat_of(args) if args.vlm_data else None
+    config = VLMDataConfig(
+        seq_length=args.seq_length, vocab_size=max(2, args.vocab_size), seed=args.seed,
+        num_samples=(count, 0, 0), image_seq_length=spec.tokens_per_tile, img_h=args.img_h,
+        img_w=args.img_w, max_num_tiles=args.max_num_tiles, vlm_data=args.vlm_data,
+        images_per_sample=args.vlm_images_per_sample, tiles_per_image=args.vlm_tiles_per_image,
+        split=args.split or DEFAULT_SPLIT, distribution=args.varlen_distribution,
+        lengths_file=args.varlen_lengths_file,
+    )  # fmt: skip
+    train, _, _ = build_vlm_datasets(config, chat)
+    tiles = [sample_tiles(train, index) for index in range(count)]
+    lengths = [train.sequence_length(index) for index in range(count)]
+    patches = [count_ * spec.patches_per_tile for count_ in tiles]
+    return Samples(lengths, vlm_source(args, spec), [], patches, tiles)
+
+
+def vlm_source(args: argparse.Namespace, spec: Any) -> str:
+    if args.vlm_data:
+        data = f"--vlm-data {args.vlm_data}"
+    else:
+        images = args.vlm_images_per_sample or "0:0.25,1:0.5,2:0.25"
+        text = args.varlen_lengths_file or args.varlen_distribution
+        data = f"mock images {images}, tiles {args.vlm_tiles_per_image or '1'}, text {text}"
+    return (
+        f"{data} (pretrain_vlm's train split, seed {args.seed}; {args.img_h}×{args.img_w} tiles "
+        f"of {spec.tokens_per_tile} tokens and {spec.patches_per_tile} encoder patches)"
+    )
+
+
+def chat_of(args: argparse.Namespace) -> Any:
+    """``--vlm-data`` is rendered with a saved HuggingFace tokenizer's chat template."""
+    if not args.tokenizer_model:
+        raise ValueError(
+            f"--vlm-data={args.vlm_data}: conversations are measured in the tokens of their chat "
+            "template; add --tokenizer-model DIR (a saved HuggingFace tokenizer with a chat "
+            "template, as pretrain_vlm's --tokenizer-type HuggingFaceTokenizer takes)."
+        )
+    from megatron_dcp.integration.data.chat import chat_tokenizer_from_dir
+
+    return chat_tokenizer_from_dir(args.tokenizer_model)
+
+
+def sample_tiles(dataset: Any, index: int) -> int:
+    """Sample ``index``'s tiles, without reading its pixels: a mock sample's drawn layout, or a
+    ``--vlm-data`` record's measured tile count."""
+    if hasattr(dataset, "layout"):
+        return sum(dataset.layout(index)[1])
+    return int(dataset.table.columns[dataset.row(index), 3])
+
+
+def image_summary(tiles: Sequence[int], patches: Sequence[int], vision: float) -> str:
+    """One header line: how many samples have images, their tiles and patches, the term."""
+    with_images = sum(1 for count in tiles if count)
+    return (
+        f"images: {with_images} of {len(tiles)} samples have images ({sum(tiles)} tiles, "
+        f"{sum(patches):,} encoder patches); vision term {vision * 1e6:.3g} µs a patch"
+    )
+
+
+def batch_patches(patches: Optional[Sequence[int]], size: int) -> List[List[int]]:
+    """The patches in global batches of ``size`` (what ``batches_of`` does to the lengths)."""
+    if patches is None:
+        return []
+    return [list(patches[i : i + size]) for i in range(0, len(patches) - size + 1, size)]

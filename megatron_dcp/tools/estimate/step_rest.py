@@ -66,8 +66,10 @@ class StepRest:
 
 def matmul_parameters(shape: ModelShape) -> int:
     """Weights per tensor-parallel rank that do matmul work: a token's linear forward FLOPs over
-    2 (one multiply-accumulate per weight), the output head (tied to the embedding) included."""
-    return int(round(shape.linear_flops() / TRAIN_FACTOR / 2))
+    2 (one multiply-accumulate per weight), the output head (tied to the embedding) included,
+    and a vision encoder's likewise (a patch's; 0 without one; its projector is left out)."""
+    flops = shape.linear_flops() + shape.vision_linear_flops()
+    return int(round(flops / TRAIN_FACTOR / 2))
 
 
 def predicted_step_rest(
