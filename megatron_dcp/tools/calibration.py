@@ -52,6 +52,9 @@ from megatron_dcp.tools.calibration_worker import Point, TimingJob, measure
 from megatron_dcp.tools.launcher import available_cores
 
 SPILL = FEATURES.index("spill")
+# The coefficients a calibration fits: every feature but the vision encoder's (its ranks run a
+# GPT, so that column is 0 and its coefficient stays 0).
+FITTED = len(FEATURES) - 1
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 DEFAULT_PACK_SIZES = (1, 2, 4)
 DEFAULT_REPEATS = 3
@@ -115,10 +118,10 @@ def split_hold_out(points: Sequence[Point], share: float, seed: int) -> List[boo
 def check_split(held: Sequence[bool], share: float) -> None:
     """Enough points on both sides: one per coefficient in the fit, one held out."""
     n_held, n_fit = sum(held), len(held) - sum(held)
-    if n_fit < len(FEATURES) or n_held < 1:
+    if n_fit < FITTED or n_held < 1:
         raise ValueError(
             f"--hold-out={share} leaves {n_fit} fit and {n_held} held-out points of {len(held)}: "
-            f"the fit needs at least {len(FEATURES)} and the check 1. Add --lengths or "
+            f"the fit needs at least {FITTED} and the check 1. Add --lengths or "
             "--pack-sizes (or raise --max-tokens), or change --hold-out."
         )
 

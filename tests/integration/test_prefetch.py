@@ -144,9 +144,9 @@ def record_cost_models() -> list:
 
     recorded, original = [], schedule.plan_with
 
-    def recording(scheduler, seqlens):
+    def recording(scheduler, seqlens, patches=None):
         recorded.append([x.hex() for x in coefficients(scheduler.cost_model)])
-        return original(scheduler, seqlens)
+        return original(scheduler, seqlens, patches)
 
     schedule.plan_with = recording
     return recorded

@@ -65,7 +65,7 @@ def test_the_batch_mixes_text_single_and_multi_image_samples(samples):
     assert 0 in tiles and 1 in tiles and max(len(images) for images in IMAGES) >= 2
     assert any(len(images) == 1 and images[0] > 1 for images in IMAGES)
     for text, sample, count in zip(TEXTS, samples, tiles):
-        placeholders = sum(1 for images in [sample["image_tiles"]] for _ in images)
+        placeholders = len(sample["image_tiles"])
         expected = text - placeholders + count * OPTIONS.tokens_per_tile
         assert int(sample["length"]) == expected
 
