@@ -126,7 +126,9 @@ def test_tiny_calibration_writes_a_profile(capfd, tmp_path):
     assert passes[2].startswith("calibrate: 2/2 timed passes of 14 points, ")
     profile = load_profile(str(output))
     source = profile.source
-    assert profile.cost.linear > 0
+    # Some work per token: on 14 timed points of a tiny model on shared cores the least-squares
+    # fit may carry it in the quadratic term alone (seen in 2 of about 10 runs on 2026-11-29).
+    assert profile.cost.linear > 0 or profile.cost.quadratic > 0
     assert source["ranks"] == 2 and source["threads_per_rank"] == 1 and source["backend"] == "gloo"
     assert "--hidden-size" in source["model_flags"] and source["grid"]["cp_sizes"] == [1, 2]
     held = [p for p in source["points"] if p["held_out"]]
