@@ -222,13 +222,14 @@ def micro_batch_images(
     cp_group: Any,
 ) -> Tuple[torch.Tensor, VisionShare]:
     """This rank's tiles of one micro-batch ``[n_local, C, H, W]`` and its :class:`VisionShare`."""
-    mine = tile_shares(group, tiles)[position]
+    shares = tile_shares(group, tiles)
+    mine = shares[position]
     device = next(iter(routed.values())).device if routed else torch.device("cpu")
     if mine:
         stacked = torch.stack([routed[t] for t in mine]).view(len(mine), *spec.tile_shape)
     else:
         stacked = torch.zeros((0, *spec.tile_shape), device=device)
-    group_tiles = len(tiles.tile_ids(group.sample_ids))
+    group_tiles = sum(len(share) for share in shares.values())
     share = VisionShare.of(group_tiles, group.size, group.ranks.index(position), cp_group)
     assert share.local_tiles == len(mine), "tile shares and the vision share disagree"
     return stacked, share

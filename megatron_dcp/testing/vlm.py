@@ -12,9 +12,9 @@ checks. No dropout anywhere: equality of runs needs it off.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +25,7 @@ from megatron_dcp.integration.data.vlm_samples import (
     image_seq_length,
     make_vlm_sample,
 )
+from megatron_dcp.integration.training.vlm_entry import projection_config, vision_config
 from megatron_dcp.integration.vision_batches import VisionSpec
 from megatron_dcp.integration.vlm_model import DCPLLaVAModel
 from megatron_dcp.testing.gpt import (
@@ -68,28 +69,16 @@ class TinyVLMOptions:
         return VisionSpec((self.channels, self.img, self.img), self.tokens_per_tile, patches)
 
 
-def _vision_config(language: Any, options: TinyVLMOptions) -> Any:
-    """The ViT's TransformerConfig: the language model's TP, no CP and no sequence parallelism
-    (each CP rank encodes whole tiles), no dropout."""
-    config = copy.deepcopy(language)
-    config.num_layers = options.vision_layers
-    config.hidden_size = options.vision_hidden
-    config.num_attention_heads = options.vision_heads
-    config.num_query_groups = options.vision_heads
-    config.ffn_hidden_size = options.vision_ffn
-    config.kv_channels = options.vision_hidden // options.vision_heads
-    config.context_parallel_size = 1
-    config.sequence_parallel = False
-    config.vision_model_type = "clip"
-    return config
-
-
-def _projector_config(language: Any, options: TinyVLMOptions) -> Any:
-    config = copy.deepcopy(language)
-    config.ffn_hidden_size = options.projector_ffn
-    config.context_parallel_size = 1
-    config.sequence_parallel = False
-    return config
+def _vision_flags(options: TinyVLMOptions) -> SimpleNamespace:
+    """The encoder and projector sizes as pretrain_vlm's flags, for its config builders."""
+    return SimpleNamespace(
+        vision_num_layers=options.vision_layers,
+        vision_hidden_size=options.vision_hidden,
+        vision_num_attention_heads=options.vision_heads,
+        vision_ffn_hidden_size=options.vision_ffn,
+        vision_projection_ffn_hidden_size=options.projector_ffn,
+        vision_model_type="clip",
+    )
 
 
 def build_tiny_vlm(
@@ -104,15 +93,16 @@ def build_tiny_vlm(
 
     options = options or TinyVLMOptions()
     language = tiny_gpt_config(tp, 1, cp, None, options.language)
+    flags = _vision_flags(options)
     model = DCPLLaVAModel(
         language_transformer_config=language,
         language_transformer_layer_spec=reference_layer_spec(),
         language_vocab_size=options.language.vocab_size,
         language_max_sequence_length=options.language.max_sequence_length,
-        vision_transformer_config=_vision_config(language, options),
+        vision_transformer_config=vision_config(language, flags),
         vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
         drop_vision_class_token=True,
-        vision_projection_config=_projector_config(language, options),
+        vision_projection_config=projection_config(language, flags),
         vision_projection_layer_spec=MLPSubmodules(
             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
         ),
