@@ -102,6 +102,14 @@ def dcp_training_step(
     )
     wrapper = build_forward_backward(chunks[0].config, dcp)
     losses = forward_backward_of(wrapper, chunks, local_share(samples), vpp)
+    return step_result(wrapper, losses, chunks)
+
+
+def step_result(
+    wrapper: Any, losses: Any, chunks: Sequence[torch.nn.Module]
+) -> DCPStepResult:
+    """What a step through ``wrapper`` computed (megatron's ``losses``, the full gradients of
+    ``chunks``) and ran; its DCP groups destroyed."""
     loss_sum, num_tokens = global_loss(losses)
     stats = wrapper.stats[-1]
     grads = gather_full_tensors(chunks)

@@ -13,10 +13,13 @@ import torch.distributed as dist
 from megatron_dcp.integration.config import DCPConfig
 from megatron_dcp.integration.forward_backward import build_forward_backward
 from megatron_dcp.integration.patches import apply_patches
-from megatron_dcp.integration.training.forward_step import global_loss, vlm_forward_step
-from megatron_dcp.testing.dcp_step import DCPStepResult, init_model_parallel, local_share
-from megatron_dcp.testing.gpt import gather_full_tensors
-from megatron_dcp.testing.plan_coverage import parallel_layout
+from megatron_dcp.integration.training.forward_step import vlm_forward_step
+from megatron_dcp.testing.dcp_step import (
+    DCPStepResult,
+    init_model_parallel,
+    local_share,
+    step_result,
+)
 from megatron_dcp.testing.vlm import TinyVLMOptions, build_tiny_vlm
 
 
@@ -61,19 +64,8 @@ def vlm_dcp_step(
         model=model,
         num_microbatches=len(local),
     )
-    loss_sum, num_tokens = global_loss(losses)
-    stats = wrapper.stats[-1]
-    grads = gather_full_tensors([model])
-    wrapper.groups.destroy()
-    step = DCPStepResult(
-        loss_sum,
-        num_tokens,
-        tuple(stats.cp_size_histogram),
-        stats.num_microbatches,
-        grads,
-        parallel_layout(),
-    )
-    encoded = _domain_tiles(stats.encoder_tiles, wrapper.domain_group)
+    step = step_result(wrapper, losses, [model])
+    encoded = _domain_tiles(wrapper.stats[-1].encoder_tiles, wrapper.domain_group)
     tiles = [int(s["images"].shape[0]) for s in samples]
     packed = max(
         sum(1 for i in group.sample_ids if tiles[i])
