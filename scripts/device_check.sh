@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a single-GPU machine with no Transformer Engine and no network (issue 41, item 4),
+# One call on a single-GPU machine with no Transformer Engine and no network,
 # at most 9 minutes in all (each step has its own timeout):
 #   0. packages: the wheels below installed when one is missing                  <= 60 s
 #   1. probe: the cost probe (scripts/gpu_cost_probe.py: one GPT layer of the cost model's default

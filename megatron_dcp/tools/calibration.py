@@ -11,7 +11,7 @@ many sequences of that length in one micro-batch, at most ``--max-tokens`` token
 GPT model from the megatron flags and times forward + backward of each point's micro-batch on its
 DCP group (one warm-up, then the min over ``--repeats`` passes, short points timed several times
 per pass). A seeded share ``--hold-out`` of
-the points (per CP size, ``--seed``) stays out of the fit; the eight coefficients of
+the points (per CP size, ``--seed``) stays out of the fit; the nine coefficients of
 :mod:`~megatron_dcp.scheduling.cost_fit` are fitted on the rest (non-negative, relative errors):
 every point is one micro-batch's time, so the micro-batch cost is the fit's fixed cost per
 point, and the points carry the score cache size of the hardware profile

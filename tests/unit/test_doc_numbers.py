@@ -25,8 +25,15 @@ BENCH = "bench_performance.sh, 2026-11-25"
 EARLIER = "bench_performance.sh, 2026-11-25, earlier run"
 # (file, pattern with one group: the figure, key path in docs/numbers.json)
 SPEEDUP = "documents_speedup_2_ranks"
+RL = "rl_speedup_2_ranks"
 PROFILE = ("default_gpu_profile",)
 PERF = "docs/performance.md"
+SHORT = "estimate_short_speedup"
+PREDICTED, MEASURED = "predicted (megatron-dcp estimate)", "measured (megatron-dcp bench-train)"
+PLAN, LATEST = "plan_time", "2026-11-26, 2-core instance, other core busy, collector paused"
+TABLE = "2026-11-24, 2-core instance"
+QUOTE = r"which \[gpu\.md\]\(gpu\.md\) and scheduling\.md quote\)"
+FIGURE = r"(\d[\d.–-]* m?s)"  # a plan time as the pages write it: "12.9 ms", "0.62–0.71 s"
 STATEMENTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("README.md", r"tests took (\S+) min on a 2-core Intel Xeon", ("suite_minutes", "Intel Xeon")),
     ("README.md", r"and (\S+) min on a 2-core AMD EPYC", ("suite_minutes", "AMD EPYC")),
@@ -48,6 +55,44 @@ STATEMENTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     (PERF, r"(1\.\d+)× \[0\.990, 1\.112\] \(the link-rate sweep", (SPEEDUP, SWEEP)),
     ("docs/gpu.md", r"documents at 2 ranks: (1\.\d+)× \(2026-11-25\)", (SPEEDUP, BENCH)),
     ("docs/gpu.md", r"(1\.\d+)× \(2026-11-28 sweep, unshaped\)", (SPEEDUP, SWEEP)),
+    # RL rollouts at 2 ranks: the benchmark's two runs and the sweep, unshaped
+    (PERF, r"\| RL rollouts \| 2 \| dcp \| [^|]+\| \*\*(\d\.\d+)\*\*", (RL, BENCH)),
+    (PERF, r"\| RL rollouts \| (\d\.\d+) \[", (RL, EARLIER)),
+    (PERF, r"\| rl \| unshaped \| 1 \| 2 \|(?: [^|]+ \|){2} (\d\.\d+) \[", (RL, SWEEP)),
+    (PERF, r"the CP size anyway, are a tie to a small win at 2 ranks: (\d\.\d+)×", (RL, BENCH)),
+    (PERF, r"and (\d\.\d+)× \[0\.978, 1\.019\] \(the earlier run\)", (RL, EARLIER)),
+    (PERF, r"(\d\.\d+)× \[1\.020, 1\.095\] \(the link-rate sweep of 2026-11-28", (RL, SWEEP)),
+    (PERF, r"RL (\d\.\d+)× \[1\.020, 1\.095\] unshaped", (RL, SWEEP)),
+    (PERF, r"\(#results-on-this-machine\), (\d\.\d+)× and", (RL, BENCH)),
+    (PERF, r"\(#results-on-this-machine\), \d\.\d+× and (\d\.\d+)×", (RL, EARLIER)),
+    ("docs/gpu.md", r"(\d\.\d+)× \(2026-11-28 sweep, unshaped; its interval", (RL, SWEEP)),
+    ("docs/gpu.md", r"(\d\.\d+)× and \d\.\d+× \(the benchmark runs of 2026-11-25", (RL, BENCH)),
+    ("docs/gpu.md", r"\d\.\d+× and (\d\.\d+)× \(the benchmark runs of 2026-11-25", (RL, EARLIER)),
+    # megatron-dcp estimate against bench-train: the "short" data set's speed-up over static CP
+    ("docs/estimate.md", r"\| short \| static CP 2 \|(?:[^|]+\|){3} \| \| \| DCP \|(?:[^|]+\|){3} "
+     r"(\d\.\d+) / ", (SHORT, PREDICTED)),
+    ("docs/estimate.md", r"\| short \| static CP 2 \|(?:[^|]+\|){3} \| \| \| DCP \|(?:[^|]+\|){3} "
+     r"\d\.\d+ / (\d\.\d+) \|", (SHORT, MEASURED)),
+    ("docs/estimate.md", r"under-predicted on short \((\d\.\d+) predicted", (SHORT, PREDICTED)),
+    ("docs/estimate.md", r"predicted against (\d\.\d+) measured\)", (SHORT, MEASURED)),
+    ("docs/gpu.md", r"on the short conversations \((\d\.\d+) predicted", (SHORT, PREDICTED)),
+    ("docs/gpu.md", r"predicted, (\d\.\d+) measured\)", (SHORT, MEASURED)),
+    # plan time, `megatron-dcp benchmark`: the latest runs (2026-11-26) and the table's (2026-11-24)
+    ("docs/scaling.md", QUOTE + " " + FIGURE + ",", (PLAN, LATEST, "N = 64")),
+    ("docs/scaling.md", QUOTE + r" [^,]+, " + FIGURE + ",", (PLAN, LATEST, "N = 1,024")),
+    ("docs/scaling.md", QUOTE + r"(?: [^,]+,){2} " + FIGURE + " and", (PLAN, LATEST, "N = 4,096")),
+    ("docs/scaling.md", QUOTE + r"[^(]+ and " + FIGURE + r" \(one", (PLAN, LATEST, "N = 16,384")),
+    ("docs/scheduling.md", FIGURE + " at N = 64 with 1024 sequences", (PLAN, LATEST, "N = 64")),
+    ("docs/scheduling.md", FIGURE + " at N = 1024 with 16384", (PLAN, LATEST, "N = 1,024")),
+    ("docs/scheduling.md", FIGURE + " at N = 4,096 with 65536", (PLAN, LATEST, "N = 4,096")),
+    ("docs/gpu.md", FIGURE + " at 64 ranks", (PLAN, LATEST, "N = 64")),
+    ("docs/gpu.md", FIGURE + " at 1,024,", (PLAN, LATEST, "N = 1,024")),
+    ("docs/gpu.md", FIGURE + " at 4,096,", (PLAN, LATEST, "N = 4,096")),
+    ("docs/gpu.md", FIGURE + r" at 16,384 \(one run\)", (PLAN, LATEST, "N = 16,384")),
+    ("docs/scaling.md", r"\| 64 \| 1,024 \| " + FIGURE + r" \|", (PLAN, TABLE, "N = 64")),
+    ("docs/scaling.md", r"\| 1,024 \| 16,384 \| " + FIGURE + r" \|", (PLAN, TABLE, "N = 1,024")),
+    ("docs/scaling.md", r"\| 4,096 \| 65,536 \| " + FIGURE + r" \|", (PLAN, TABLE, "N = 4,096")),
+    ("docs/scaling.md", r"\| 16,384 \| 262,144 \| " + FIGURE + " ", (PLAN, TABLE, "N = 16,384")),
 )
 GPU_DEFAULT_LINE = re.compile(r"GPU default|default GPU")
 
@@ -110,7 +155,16 @@ def test_every_line_naming_the_gpu_default_names_the_sources_profile():
 
 @pytest.mark.parametrize(
     "path, stale",
-    [(("suite_minutes", "AMD EPYC"), "20–25"), (("documents_speedup_2_ranks", SWEEP), "1.095")],
+    [
+        (("suite_minutes", "AMD EPYC"), "20–25"),
+        (("documents_speedup_2_ranks", SWEEP), "1.095"),
+        ((RL, SWEEP), "1.06"),
+        ((RL, BENCH), "1.000"),
+        ((SHORT, PREDICTED), "1.482"),
+        ((SHORT, MEASURED), "1.431"),
+        ((PLAN, LATEST, "N = 64"), "8.1–8.5 ms"),
+        ((PLAN, TABLE, "N = 4,096"), "0.62–0.71 s"),
+    ],
 )
 def test_a_changed_figure_is_seen(path, stale):
     """The check can fail: the source with one figure changed disagrees with the docs."""

@@ -7,10 +7,13 @@
    (``tools.check.environment``).
 2. **Correctness**: a tiny GPT (:data:`DEFAULTS`, dropout off, ``--lr 0``) trains three global
    batches, each run by static CP, by static CP with its plan in reverse order and by DCP, on
-   identical samples (bench-train's run, its digests checked). DCP's plans must mix CP sizes;
-   its loss and every gradient must be within the tolerance the reordered run measures
-   (``tools.check.tolerance``). On the DP×CP domain of every rank, and with 4 or more ranks also
-   on two pipeline stages (``tools.check.layout_runs.layouts_for``).
+   identical samples (bench-train's run, its digests checked). DCP's plans must mix CP sizes.
+   Static CP's and DCP's loss and every gradient must be within the tolerance of a float64
+   reference run outside DCP (``tools.check.reference_arm``: megatron-core's own layers, one
+   sample at a time, no packing, CP or pipeline), and DCP's within twice the tolerance of static
+   CP's, from the rounding the reordered run measures (``tools.check.tolerance``). On the DP×CP
+   domain of every rank, and with 4 or more ranks also on two pipeline stages
+   (``tools.check.layout_runs.layouts_for``).
 3. **Speed**: the same run's step times (bench-train's figures over its last two batches): a
    smoke figure, not a benchmark.
 4. **Verdict**: one last line, ``megatron-dcp check: PASS ...`` (exit 0) or ``FAIL ...`` (exit 1).
@@ -68,7 +71,8 @@ def check_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         usage=f"{PROG} [check flags] [megatron model flags]",
-        description="Environment report, DCP against static CP, a smoke speed figure, a verdict.",
+        description="Environment report; static CP and DCP against a float64 reference outside "
+        "DCP, and DCP against static CP; a smoke speed figure; a verdict.",
         allow_abbrev=False,
     )
     p.add_argument("--nproc", type=positive_int, help="ranks (default: the GPUs, else the cores)")
@@ -79,7 +83,10 @@ def check_parser() -> argparse.ArgumentParser:
 
 
 def add_check(sub: argparse._SubParsersAction) -> None:
-    summary = "environment report, DCP against static CP, smoke speed, one verdict (docs/usage.md)"
+    summary = (
+        "environment report, static CP and DCP against a float64 reference outside DCP and DCP "
+        "against static CP, smoke speed, one verdict (docs/usage.md)"
+    )
     add_pass_through(sub, "check", summary, check)
 
 
