@@ -26,6 +26,7 @@ setup(
         "megatron-core>=0.19,<0.20",
         "typing_extensions",  # megatron.training needs typing.override on Python 3.11
         "psutil",  # megatron.training's checkpoint writer
+        "tqdm>=4.70.1",  # the progress of long commands (megatron_dcp/tools/progress.py)
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

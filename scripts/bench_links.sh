@@ -5,8 +5,8 @@
 # at two rates; one run on two emulated nodes (4 ranks, oversubscribed). At its start, on the idle
 # machine, one rank's fp32 GEMM rate at the model's shapes (python -m megatron_dcp.tools.gemm_rate)
 # goes to bench_out/links/machine.json; every run writes bench_out/links/<workload>_<rate>[_tag]/;
-# at the end `megatron-dcp link-sweep bench_out/links` prints the table and the issue's targets and
-# draws bench_out/links/link_sweep.png. Root is needed (network namespaces, tc).
+# at the end `megatron-dcp link-sweep bench_out/links` prints the table and the communication
+# targets and draws bench_out/links/link_sweep.png. Root is needed (network namespaces, tc).
 #
 # About 30 minutes on this 2-core machine when idle (estimated from idle runs, docs/performance.md;
 # at most 40); run it on an otherwise idle machine. Extra arguments go to every bench-train run. Environment (for short runs):
@@ -82,17 +82,13 @@ run() {  # workload, rate, tag ("" or r2, 2nodes, ...), ranks, extra bench-train
   tail -n 12 "$dir.txt"
   [ "$status" = 0 ] || echo "bench_links.sh: $name FAILED (exit $status; see $dir.txt)"
   echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
-  RUNS_DONE=$((RUNS_DONE + 1))
   progress_line
 }
 
-# The sweep's progress after each run: runs done of all, elapsed, an estimate of what is left.
+# The sweep's progress after each run: runs done of all, their time, an estimate of what is left
+# from the runs' times in timings.txt (`link-sweep --progress`; a failure there stops no sweep).
 progress_line() {
-  local left=""
-  if [ "$RUNS_DONE" -lt "$RUNS_TOTAL" ]; then
-    left=", ~$(( SECONDS * (RUNS_TOTAL - RUNS_DONE) / RUNS_DONE / 60 )) min left"
-  fi
-  echo "bench_links.sh: $RUNS_DONE/$RUNS_TOTAL runs, $((SECONDS / 60)) min $((SECONDS % 60)) s$left"
+  "$PY" -m megatron_dcp.tools link-sweep "$OUT" --progress "$RUNS_TOTAL" || true
 }
 
 # How many runs the loops below make (the sweep's progress counts against it).
@@ -107,7 +103,6 @@ count_runs() {
   [ -z "$NODES_RATE" ] || total=$((total + 1))
   echo "$total"
 }
-RUNS_DONE=0
 RUNS_TOTAL=$(count_runs)
 
 mkdir -p "$OUT"

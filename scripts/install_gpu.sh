@@ -43,7 +43,7 @@ TE_BUILD_DEPS=('setuptools>=61' wheel pybind11 ninja 'cmake>=3.21')
 # megatron-core 0.19.2 gates features on TE versions up to 2.14 (docs/gpu.md).
 TE_MIN_VERSION=2.14
 # setup.py's install_requires less torch and megatron-core, installed above.
-DCP_DEPS=(numpy typing_extensions psutil)
+DCP_DEPS=(numpy typing_extensions psutil 'tqdm>=4.70.1')
 
 VENV=${VENV:-.venv}
 VPY="$VENV/bin/python"

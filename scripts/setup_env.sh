@@ -35,6 +35,7 @@ from packaging.version import Version
 assert md.version("torch").split("+")[0] == "2.13.0"
 assert md.version("megatron-core") == "0.19.2"
 assert Version(md.version("packaging")) >= Version("24.2")
+assert Version(md.version("tqdm")) >= Version("4.70.1")
 for name in ("numpy", "pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "matplotlib",
              "psutil", "typing_extensions", "einops", "pyyaml", "tensordict", "ray", "codetiming",
              "peft", "datasets"):
@@ -76,7 +77,7 @@ main() {
 
   echo "setup_env: installing into $VENV (torch, megatron-core, test tools, megatron_dcp)"
   pip_install torch==2.13.0
-  pip_install numpy 'packaging>=24.2'
+  pip_install numpy 'packaging>=24.2' 'tqdm>=4.70.1'  # tqdm: megatron_dcp's progress lines
   pip_install --ignore-requires-python --no-deps megatron-core==0.19.2
   pip_install "${TEST_DEPS[@]}" "${PLOT_DEPS[@]}"
   pip_install --no-deps "$VERL"

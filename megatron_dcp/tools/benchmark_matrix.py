@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -29,6 +30,7 @@ from megatron_dcp.tools.compare import (
     run_scheduler,
 )
 from megatron_dcp.tools.plan_memory import schedule_peak_mib
+from megatron_dcp.tools.progress import Progress
 from megatron_dcp.tools.topology_table import format_tier_table, tier_row
 from megatron_dcp.tools.workloads import (
     REFERENCE_WORKLOADS,
@@ -80,11 +82,15 @@ def matrix_cases(args: argparse.Namespace) -> List[Tuple[Workload, int, int]]:
 
 
 def benchmark_comparisons(args: argparse.Namespace) -> List[Comparison]:
-    """Every case under every selected cost model; each cost model's table printed as it ends."""
-    comparisons = []
+    """Every case under every selected cost model; each cost model's table printed as it ends
+    (its progress on stderr until then)."""
+    comparisons, cases = [], matrix_cases(args)
     for label, cost in chosen_costs(args.cost_model or DEFAULT_COST_MODELS, args.cost_profile):
         table, tiers = [], []
-        for workload, budget, vpp in matrix_cases(args):
+        progress = Progress(
+            f"benchmark: cost model '{label}'", len(cases), "cases", stream=sys.stderr
+        )
+        for workload, budget, vpp in cases:
             vpp_group = vpp if vpp > 1 else None
             spec = DomainSpec(
                 workload.dp_size,
@@ -98,6 +104,7 @@ def benchmark_comparisons(args: argparse.Namespace) -> List[Comparison]:
             table.append(evaluate(title, lengths, spec, (label, cost), BENCHMARK_SCHEDULERS))
             if args.ranks_per_node:
                 tiers.append(tier_row(title, lengths, spec, cost))
+            progress.update(len(table), title)
         comparisons += table
         if not args.json:
             print(format_matrix(label, table) + "\n", flush=True)
@@ -241,14 +248,16 @@ def timed_schedulers(domain_size: int) -> Tuple[str, ...]:
 
 def benchmark_timings(args: argparse.Namespace) -> List[Timing]:
     """Plan time (median of 3 runs, 1 from N = SINGLE_RUN_N on), CP/LB, micro-batches and peak
-    memory of each timed scheduler at each kept layout."""
-    cost = build_cost_model("model")
-    timings = []
-    for dp, cp, count in timing_layouts(args):
+    memory of each timed scheduler at each kept layout (the progress on stderr)."""
+    cost, layouts, timings = build_cost_model("model"), timing_layouts(args), []
+    runs = sum(len(timed_schedulers(dp * cp)) for dp, cp, _ in layouts)
+    progress = Progress("benchmark: plan time", runs, "scheduler runs", stream=sys.stderr)
+    for dp, cp, count in layouts:
         lengths, budget = timing_lengths(count, dp, cp, args.seed)
         spec, repeats = DomainSpec(dp, cp, budget), 1 if dp * cp >= SINGLE_RUN_N else TIMING_REPEATS
         for name in timed_schedulers(dp * cp):
             timings.append(time_scheduler(name, lengths, spec, cost, repeats))
+            progress.update(len(timings), f"N={dp * cp} {timings[-1].scheduler}")
     return timings
 
 

@@ -1,6 +1,6 @@
 """``megatron-dcp link-sweep DIR``: the report of a link-rate sweep (``scripts/bench_links.sh``):
-a markdown table of every ``bench_train.json`` under DIR, the issue's targets met or not, and a
-picture of the speedups against FLOPs per byte of link.
+a markdown table of every ``bench_train.json`` under DIR, the communication targets met or not,
+and a picture of the speedups against FLOPs per byte of link.
 
     megatron-dcp link-sweep bench_out/links [--png FILE] [--flops-per-s F]
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_dcp.tools.link_sweep.runs import read_machine, read_sweep
+from megatron_dcp.tools.cli.args import positive_int
+from megatron_dcp.tools.link_sweep.runs import read_machine, read_sweep, sweep_progress
 from megatron_dcp.tools.link_sweep.sweep_table import markdown_table
 from megatron_dcp.tools.link_sweep.planner_targets import check_planner_targets
 from megatron_dcp.tools.link_sweep.targets import check_targets
@@ -30,12 +31,22 @@ def add_link_sweep(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="one rank's FLOP rate (default: FOLDER/machine.json, written by the sweep)",
     )
+    p.add_argument(
+        "--progress",
+        type=positive_int,
+        metavar="TOTAL",
+        help="print only the sweep's progress line instead: its runs done of TOTAL, their time "
+        "and an estimate of what is left (the sweep prints it after each run)",
+    )
     p.set_defaults(func=cmd_link_sweep)
 
 
 def cmd_link_sweep(args: argparse.Namespace) -> int:
     if args.flops_per_s is not None and args.flops_per_s <= 0:
         raise ValueError(f"--flops-per-s={args.flops_per_s}: must be > 0, e.g. 1.9e11")
+    if args.progress:
+        print(sweep_progress(args.folder, args.progress))
+        return 0
     runs = read_sweep(args.folder)
     flops = args.flops_per_s or read_machine(args.folder).get("flops_per_s")
     source = "--flops-per-s" if args.flops_per_s else "machine.json"

@@ -1,3 +1,3 @@
 """The link-rate sweep's report (``megatron-dcp link-sweep DIR``): its runs read back (``runs``),
-the issue's targets checked (``targets``), the markdown table (``sweep_table``) and the picture
-(``figure``). The sweep itself is ``scripts/bench_links.sh``."""
+the communication targets checked (``targets``), the markdown table (``sweep_table``) and the
+picture (``figure``). The sweep itself is ``scripts/bench_links.sh``."""

@@ -28,10 +28,12 @@ from typing import Dict, List, Optional
 from megatron_dcp.tools.bench_train.report import JSON_FILE
 from megatron_dcp.tools.bench_train.stats import Interval
 from megatron_dcp.tools.bench_train.worker import PLANS_FILE
+from megatron_dcp.tools.progress import plain_line
 
 UNSHAPED = "unshaped"
 LINK_FILE = "link.json"
 MACHINE_FILE = "machine.json"
+TIMINGS_FILE = "timings.txt"  # "<run> <seconds> s", a line per finished run (bench_links.sh)
 DEV = "megatron_dev"
 ERROR_WINDOW = "5-30"
 
@@ -193,6 +195,16 @@ def read_sweep(folder: Path) -> List[SweepRun]:
         raise ValueError(f"link-sweep {folder}: no {JSON_FILE} under it; run "
                          "scripts/bench_links.sh first, or give the folder it wrote.")
     return sorted(runs, key=lambda r: (r.workload, -(r.link.bytes_per_s or float("inf")), r.tag))
+
+
+def sweep_progress(folder: Path, total: int) -> str:
+    """The sweep's progress after a run: runs done of ``total``, their time and an estimate of
+    what is left, from the time of each run in ``folder``'s :data:`TIMINGS_FILE` (the sweep's
+    start, the corpus and the GEMM rate, is no run's time and counts in neither)."""
+    path = folder / TIMINGS_FILE
+    lines = path.read_text().splitlines() if path.is_file() else []
+    seconds = [float(line.split()[-2]) for line in lines if line.strip()]
+    return plain_line("bench_links.sh", len(seconds), total, "runs", sum(seconds))
 
 
 def flops_per_byte(run: SweepRun, flops_per_s: Optional[float]) -> Optional[float]:
