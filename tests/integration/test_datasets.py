@@ -575,7 +575,8 @@ def test_estimate_reads_the_same_lengths_and_notes_the_flag_it_does_not_read(tmp
 
     flags = ["--cost-model", "cpu", "--num-layers", "2", "--hidden-size", "64",
              "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", "512",
-             "--max-seqlen-per-dp-cp-rank", "256", "--global-batch-size", "8", "--batches", "2",
+             "--vocab-size", "1024", "--max-seqlen-per-dp-cp-rank", "256",
+             "--global-batch-size", "8", "--batches", "2",
              "--varlen-distribution", "uniform:min=16,max=600"]  # fmt: skip
     results = []
     for extra in ([], ["--varlen-prompt-fraction", "0.3"]):

@@ -3,10 +3,12 @@ indexed dataset written with megatron's ``IndexedDatasetBuilder`` (its lengths a
 documents' of the ``.idx``, minus the label, truncated, in training's seeded order), a
 conversations file with its tokenizer (each conversation's chat-template tokens), a lengths
 file read by ``--lengths`` and by training's ``--varlen-lengths-file`` alike, a JSONL file
-through Hugging Face ``datasets``; and the vocabulary padded as megatron pads it."""
+through Hugging Face ``datasets``; the vocabulary padded as megatron pads it; and the training
+flags estimate ignores, each taking as many values as training's parser gives it."""
 
 import argparse
 import json
+from argparse import ArgumentParser
 
 import numpy as np
 import pytest
@@ -16,8 +18,9 @@ from megatron_dcp.tools.cli.estimate import estimate, padded_vocabulary
 from megatron_dcp.tools.conversation_corpus import write_sft_corpus
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
-PLAN = ["--cost-model", "cpu", "--num-layers", "2", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+# The vocabulary: the tokenizer's where one is given, else the preset's (1024).
+PLAN = ["--cost-model", "cpu", "--model-preset", "bench-train", "--num-layers", "2",
+        "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
         "--max-seqlen-per-dp-cp-rank", "256", "--global-batch-size", "8"]  # fmt: skip
 
 
@@ -97,7 +100,7 @@ def test_a_jsonl_file_through_hugging_face_datasets(tmp_path):
     counts = [len(tokenizer(row["text"], add_special_tokens=False)["input_ids"]) for row in rows]
     assert sorted(tokens["lengths"][0]) == sorted(min(n, 512) for n in counts * 2)
     with pytest.raises(ValueError, match="--text-field=body: no such column .* text"):
-        estimate([*source[:-1], "body"])
+        estimate([*PLAN, *source[:-1], "body"])
 
 
 def test_the_vocabulary_is_padded_as_megatron_pads_it():
@@ -107,3 +110,30 @@ def test_the_vocabulary_is_padded_as_megatron_pads_it():
         args = argparse.Namespace(make_vocab_size_divisible_by=divisible,
                                   tensor_model_parallel_size=tp, rank=1)  # fmt: skip
         assert padded_vocabulary(vocab, divisible, tp) == vocab_size_with_padding(vocab, args)
+
+
+@pytest.fixture(scope="module")
+def training_parser():
+    """pretrain_vlm's parser: megatron's flags, DCP's and the vision-language ones."""
+    from megatron_dcp import pretrain_gpt  # noqa: F401  (megatron.training importable here)
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_dcp.integration.config import add_dcp_args
+    from megatron_dcp.integration.training.vlm_entry import add_vision_args
+
+    parser = add_megatron_arguments(ArgumentParser(allow_abbrev=False))
+    add_dcp_args(parser)
+    add_vision_args(parser)
+    return parser
+
+
+def test_the_ignored_flags_are_trainings_and_take_as_many_values(training_parser):
+    from megatron_dcp.tools.estimate.command_line import IGNORED_FLAGS
+
+    actions = training_parser._option_string_actions
+    for group in IGNORED_FLAGS:
+        for flags, takes in ((group.switches, (0,)), (group.valued, (None,)),
+                             (group.lists, ("+", "*"))):  # fmt: skip
+            for flag in flags:
+                assert flag in actions, f"{flag}: not a training flag"
+                assert actions[flag].nargs in takes, f"{flag}: nargs {actions[flag].nargs}"

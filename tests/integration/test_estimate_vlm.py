@@ -13,9 +13,10 @@ from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.tools.cli.estimate import estimate
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
-MODEL = ["--cost-model", "cpu", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--step-rest-ms", "0",
-         "--max-seqlen-per-dp-cp-rank", "1024", "--global-batch-size", "8",
+# The flags not given (the sequence length, the vocabulary, the encoder's): bench-train's.
+MODEL = ["--cost-model", "cpu", "--model-preset", "bench-train", "--num-layers", "2",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+         "--step-rest-ms", "0", "--max-seqlen-per-dp-cp-rank", "1024", "--global-batch-size", "8",
          "--batches", "3"]  # fmt: skip
 # Three images of two 128-pixel tiles a sample (65 patches a tile), a 6-layer ViT of width 256.
 HEAVY = ["--vlm-images-per-sample", "3", "--vlm-tiles-per-image", "2", "--max-num-tiles", "2",
@@ -74,8 +75,9 @@ def test_the_vision_term_grows_with_the_vision_flags(tmp_path):
     assert small > 0 and deep > 1.8 * small
 
 
-def test_mock_flags_alone_take_bench_trains_vision_model(tmp_path):
-    """No vision flag: bench-train --entry pretrain_vlm's ViT (cli.bench_train.VLM_DEFAULTS)."""
+def test_mock_flags_alone_take_the_presets_vision_model(tmp_path):
+    """No vision flag, --model-preset bench-train: bench-train --entry pretrain_vlm's ViT
+    (cli.bench_train.VLM_DEFAULTS)."""
     from megatron_dcp.integration.model_cost import cost_model_of, model_shape_from_args
     from megatron_dcp.tools.cli.bench_train import VLM_DEFAULTS
 

@@ -4,17 +4,19 @@
         --hf-dataset NAME --text-field F | --lengths FILE |
         --vlm-data FILE.jsonl --tokenizer-model DIR | --vlm-images-per-sample SPEC ...
         [--batches 8] [--json FILE] \\
-        [megatron's model and parallel flags: --num-layers ... --nproc 8
-         --tensor-model-parallel-size 1 --context-parallel-size 4 --global-batch-size 64
-         --max-seqlen-per-dp-cp-rank 8192] [--hardware-profile NAME | --dcp-cost-profile FILE |
-         --cost-model cpu]
+        megatron's model flags (--num-layers --hidden-size --num-attention-heads --seq-length
+        --vocab-size ...) | --model-preset bench-train \\
+        [parallel flags: --nproc 8 --tensor-model-parallel-size 1 --context-parallel-size 4
+         --global-batch-size 64 --max-seqlen-per-dp-cp-rank 8192] [--hardware-profile NAME |
+         --dcp-cost-profile FILE | --cost-model cpu]
 
 The first ``--batches`` global batches of the data (``tools.estimate.sources``) are planned by
 static CP, DCP and Megatron dev's planner under the model's cost model, built by the functions
 training builds it with (``integration.model_cost``); each arm's step time is its plan's
-critical path plus the step rest (``tools.estimate.step_rest``). Model flags not given take
-``bench-train``'s defaults, so that the same flags mean the same model in both commands. On
-vision-language data (``tools.estimate.vlm``) each batch's combined lengths are planned with
+critical path plus the step rest (``tools.estimate.step_rest``). The model is never guessed
+(``tools.estimate.command_line``): its shape flags are required, or ``--model-preset`` names
+one; training flags that change no estimate are accepted and noted, any other flag is refused.
+On vision-language data (``tools.estimate.vlm``) each batch's combined lengths are planned with
 each sample's encoder patches, priced by the cost model's ``vision`` term (from the vision
 flags).
 """
@@ -41,7 +43,6 @@ from megatron_dcp.scheduling.hardware import (
 from megatron_dcp.scheduling.model_shape import ModelShape
 from megatron_dcp.tools.cli.args import (
     add_pass_through,
-    given_flags,
     positive_int,
     power_of_two,
     training_budget,
@@ -51,13 +52,21 @@ from megatron_dcp.tools.compare import DomainSpec
 from megatron_dcp.tools.estimate.answer import MIN_GAIN, Estimate, as_dict, batches_of
 from megatron_dcp.tools.estimate.answer import format_estimate
 from megatron_dcp.tools.estimate.arm_plans import plan_batches
+from megatron_dcp.tools.estimate.command_line import (
+    IGNORED_NOTE,
+    MODEL_PRESETS,
+    PRESET_FLAG,
+    add_ignored_flags,
+    ignored_given,
+    refuse_unknown,
+    resolve_model,
+)
 from megatron_dcp.tools.estimate.sources import (
     add_vlm_flags,
     batch_patches,
     image_summary,
     prepare_vlm_args,
     read_samples,
-    refuse_typos,
     vlm_mode,
     vlm_samples,
 )
@@ -95,30 +104,40 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
     data.add_argument("--seed", type=int, default=DEFAULTS["--seed"], help="training's seed")
 
 
-# Megatron's model flags estimate reads (type, help); numbers not given take bench-train's.
+# Megatron's model flags estimate reads (type, help): the shape flags are required
+# (command_line.REQUIRED_FLAGS) unless --model-preset gives them; the others default as megatron's.
 MODEL_FLAGS = {
     "--num-layers": (positive_int, "transformer layers"),
     "--hidden-size": (positive_int, "hidden size"),
     "--num-attention-heads": (positive_int, "attention heads"),
-    "--ffn-hidden-size": (positive_int, "MLP hidden size"),
+    "--ffn-hidden-size": (positive_int, "MLP hidden size (megatron's: 4 × hidden)"),
     "--seq-length": (positive_int, "longest sample: longer ones are cut to it"),
-    "--vocab-size": (positive_int, "vocabulary before padding (default: the tokenizer's, or 1024)"),
+    "--vocab-size": (positive_int, "vocabulary before padding (or --tokenizer-model's)"),
     "--make-vocab-size-divisible-by": (positive_int, "megatron's vocabulary padding (128)"),
-    "--num-query-groups": (positive_int, "K/V groups, with --group-query-attention"),
+    "--num-query-groups": (positive_int, "K/V groups, with --group-query-attention (1)"),
     "--kv-channels": (positive_int, "head size (default hidden / heads)"),
     "--num-experts": (positive_int, "MoE experts"),
     "--moe-router-topk": (positive_int, "experts per token (2)"),
     "--moe-ffn-hidden-size": (positive_int, "an expert's MLP hidden size"),
     "--mtp-num-layers": (positive_int, "multi-token-prediction depth"),
 }
-MODEL_DEFAULTS = {"--make-vocab-size-divisible-by": MAKE_VOCAB_DIVISIBLE_BY, "--moe-router-topk": 2}
+# megatron's defaults (--num-query-groups: with --group-query-attention).
+MODEL_DEFAULTS = {
+    "--make-vocab-size-divisible-by": MAKE_VOCAB_DIVISIBLE_BY,
+    "--moe-router-topk": 2,
+    "--num-query-groups": 1,
+}
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    model = p.add_argument_group("model (megatron's flags; default: bench-train's model)")
+    model = p.add_argument_group(
+        f"model (megatron's flags; the shape flags are required, or {PRESET_FLAG})"
+    )
+    model.add_argument(PRESET_FLAG, choices=sorted(MODEL_PRESETS),
+                       help="a named model for the model flags not given: bench-train, the "
+                       "4-layer GPT bench-train runs (its first output line says so)")  # fmt: skip
     for flag, (kind, text) in MODEL_FLAGS.items():
-        default = DEFAULTS.get(flag) if flag != "--vocab-size" else None
-        model.add_argument(flag, type=kind, default=MODEL_DEFAULTS.get(flag, default), help=text)
+        model.add_argument(flag, type=kind, default=MODEL_DEFAULTS.get(flag), help=text)
     model.add_argument("--group-query-attention", action="store_true", help="grouped K/V heads")
     model.add_argument("--swiglu", action="store_true", help="gated MLP (three GEMMs)")
 
@@ -161,9 +180,12 @@ def estimate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Predict static CP, DCP and Megatron dev's planner on your data.",
+        epilog="Training flags that change no estimate (optimizer, logging, precision, ...) are "
+        "accepted and listed in a note; any other flag is refused (docs/estimate.md).",
         allow_abbrev=False,
     )
-    for add in (add_data_flags, add_vlm_flags, add_model_flags, add_layout_flags, add_cost_flags):
+    for add in (add_data_flags, add_vlm_flags, add_model_flags, add_layout_flags, add_cost_flags,
+                add_ignored_flags):  # fmt: skip
         add(p)
     return p
 
@@ -195,15 +217,13 @@ def domain_of(args: argparse.Namespace) -> DomainSpec:
 
 
 def vocabulary(args: argparse.Namespace) -> int:
-    """The vocabulary before megatron pads it: ``--vocab-size``, else the tokenizer's, else
-    bench-train's default."""
+    """The vocabulary before megatron pads it: ``--vocab-size``, else the tokenizer's (one of
+    the two is given or the preset's: ``command_line.resolve_model``)."""
     if args.vocab_size:
         return args.vocab_size
-    if args.tokenizer_model:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        return len(AutoTokenizer.from_pretrained(args.tokenizer_model))
-    return int(DEFAULTS["--vocab-size"])
+    return len(AutoTokenizer.from_pretrained(args.tokenizer_model))
 
 
 def padded_vocabulary(vocab: int, divisible_by: int, tp_size: int) -> int:
@@ -297,20 +317,26 @@ def build_estimate(args: argparse.Namespace) -> Estimate:
 
 
 def estimate(argv: Sequence[str]) -> int:
-    """The whole command; returns the exit code (bad input: ValueError, exit 2 from main)."""
-    args, unknown = estimate_parser().parse_known_args(list(argv))
-    refuse_typos(sorted(given_flags(unknown)))
+    """The whole command; returns the exit code (bad input: ValueError, exit 2 from main).
+    Unknown flags and a model not given are refused before anything is read."""
+    parser = estimate_parser()
+    args, leftover = parser.parse_known_args(list(argv))
+    refuse_unknown(leftover, parser)
     if args.min_gain < 1:
         raise ValueError(f"--min-gain={args.min_gain}: a speedup bar, ≥ 1 (e.g. 1.05).")
-    ignored = sorted(given_flags(unknown))
+    preset = resolve_model(args, vlm_mode(args))
+    if preset:
+        print(preset, flush=True)
     try:
         result = build_estimate(args)
     except SchedulingError as error:
         raise ValueError(error.worded(FLAGS)) from None
+    ignored = ignored_given(args)
     if ignored:
-        result.notes.append(f"flags estimate does not read: {', '.join(ignored)}")
+        result.notes.append(f"{IGNORED_NOTE}: {', '.join(ignored)}")
     print(format_estimate(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(as_dict(result), indent=2) + "\n")
+        record = {"model_preset": preset, **as_dict(result)} if preset else as_dict(result)
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(f"written to {args.json}")
     return 0

@@ -16,21 +16,20 @@ them: exactly one source, each sample's length ``L`` at most ``--seq-length``.
   ``--vlm-data FILE.jsonl`` with ``--tokenizer-model DIR``, or mock samples with images, their
   text lengths from ``--varlen-*``), only the samples' layouts read (no pixel decoded): each
   sample's *combined* length (text plus image tokens, what the planner plans) and its encoder
-  patches (tiles × patches per tile, class token included: what the ``vision`` term prices). A
-  vision flag not given takes ``bench-train --entry pretrain_vlm``'s default
-  (``cli.bench_train.VLM_DEFAULTS``): the same flags mean the same model in both commands.
+  patches (tiles × patches per tile, class token included: what the ``vision`` term prices).
+  The encoder's shape flags are required as the language model's are
+  (``command_line.resolve_model``).
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dcp.tools.cli.args import positive_int
-from megatron_dcp.tools.cli.bench_train import DEFAULTS, VLM_DEFAULTS
+from megatron_dcp.tools.cli.bench_train import DEFAULTS
 from megatron_dcp.tools.workloads import read_lengths
 
 TRAINING_SOURCES = ("--data-path", "--sft-data", "--varlen-distribution", "--varlen-lengths-file")
@@ -170,7 +169,7 @@ def load_hf_rows(args: argparse.Namespace) -> Any:
         import datasets
     except ImportError:
         raise ValueError(
-            f"--hf-dataset={args.hf_dataset}: the Hugging Face `datasets` package is not "
+            f"--hf-dataset={args.hf_dataset}: the Hugging Face datasets package is not "
             "installed; pip install datasets (or write the lengths to a file and pass --lengths)."
         ) from None
     if not args.text_field:
@@ -205,15 +204,16 @@ def token_counter(args: argparse.Namespace) -> "tuple[Callable[[str], int], str]
 # Vision-language data
 
 # pretrain_vlm's vision and data flags estimate reads: (type, help); default None (not given).
+# The encoder's shape is required on vision-language data unless --model-preset gives it.
 VISION_FLAGS: Dict[str, Tuple[Any, str]] = {
-    "--vision-num-layers": (positive_int, "ViT layers (a vision flag turns on VLM data; 2)"),
-    "--vision-hidden-size": (positive_int, "ViT width (128)"),
-    "--vision-num-attention-heads": (positive_int, "ViT heads (4)"),
+    "--vision-num-layers": (positive_int, "ViT layers (a vision flag turns on VLM data)"),
+    "--vision-hidden-size": (positive_int, "ViT width"),
+    "--vision-num-attention-heads": (positive_int, "ViT heads"),
     "--vision-ffn-hidden-size": (positive_int, "ViT MLP size (4 × width)"),
     "--vision-model-type": (str, "the encoder: clip, as pretrain_vlm builds"),
-    "--img-h": (positive_int, "tile height in pixels (64)"),
-    "--img-w": (positive_int, "tile width in pixels (64)"),
-    "--patch-dim": (positive_int, "ViT patch size in pixels (16)"),
+    "--img-h": (positive_int, "tile height in pixels"),
+    "--img-w": (positive_int, "tile width in pixels"),
+    "--patch-dim": (positive_int, "ViT patch size in pixels"),
 }
 VLM_DATA_FLAGS: Dict[str, Tuple[Any, str]] = {
     "--vlm-data": (str, "conversations with images (JSONL), with --tokenizer-model"),
@@ -222,9 +222,6 @@ VLM_DATA_FLAGS: Dict[str, Tuple[Any, str]] = {
     "--max-num-tiles": (positive_int, "most tiles an image is cut into (1)"),
 }
 CLASS_TOKEN_FLAG = "--disable-vision-class-token"
-# pretrain_vlm's flags that change no planned length or patch count: listed in the note of flags
-# estimate does not read (the projector's MLP is not in the cost model).
-UNPRICED_FLAGS = ("--vision-projection-ffn-hidden-size", "--num-channels")
 # Text sources a vision-language model does not read (pretrain_vlm refuses the first two).
 TEXT_ONLY_SOURCES = ("--data-path", "--sft-data", "--lengths", "--hf-dataset")
 
@@ -245,24 +242,10 @@ def vlm_mode(args: argparse.Namespace) -> bool:
     return any(getattr(args, attribute(flag), None) is not None for flag in flags)
 
 
-def refuse_typos(unknown: Iterable[str]) -> None:
-    """A flag estimate does not know that reads like a vision-language one is a typo: refused,
-    with the flag it is closest to (other unknown flags are listed in a note)."""
-    known = [*VLM_DATA_FLAGS, *VISION_FLAGS, CLASS_TOKEN_FLAG]
-    prefixes = ("--vision", "--vlm", "--img", "--patch", "--max-num-tile")
-    for flag in unknown:
-        if flag in UNPRICED_FLAGS:
-            continue
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
-        if close or flag.startswith(prefixes):
-            hint = f"did you mean {close[0]}?" if close else f"its flags are {', '.join(known)}"
-            raise ValueError(f"{flag}: not a flag of estimate; {hint} (docs/estimate.md).")
-
-
 def prepare_vlm_args(args: argparse.Namespace) -> None:
-    """Fill the vision flags not given with bench-train's defaults and check them as
-    pretrain_vlm does (``vlm_entry.check_vision_type``, ``check_vision_shape``); refuse a text
-    source next to them."""
+    """Check the vision flags as pretrain_vlm does (``vlm_entry.check_vision_type``,
+    ``check_vision_shape``; the encoder's shape is given or the preset's); refuse a text source
+    next to them."""
     for flag in TEXT_ONLY_SOURCES:
         value = getattr(args, attribute(flag), None)
         if value:
@@ -272,9 +255,6 @@ def prepare_vlm_args(args: argparse.Namespace) -> None:
                 f"--varlen-distribution or --varlen-lengths-file); remove {flag} or the "
                 "vision flags."
             )
-    for flag, value in VLM_DEFAULTS.items():
-        if getattr(args, attribute(flag), None) is None:
-            setattr(args, attribute(flag), value)
     args.vision_model_type = args.vision_model_type or "clip"
     args.max_num_tiles = args.max_num_tiles or 1
     args.disable_vision_class_token = bool(args.disable_vision_class_token)

@@ -18,8 +18,10 @@ from megatron_dcp.tools.estimate.step_rest import (
     predicted_step_rest,
 )
 
-# bench-train's documents model (docs/performance.md): 2 layers, hidden 128, FFN 512.
-SMALL = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "512"]
+# bench-train's documents model (docs/performance.md): 2 layers, hidden 128, FFN 512, with the
+# rest of bench-train's model (4 heads, 4096 tokens, vocabulary 1024) given.
+SMALL = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "512",
+         "--num-attention-heads", "4", "--seq-length", "4096", "--vocab-size", "1024"]  # fmt: skip
 
 
 def lengths_file(tmp_path, lengths, name="lengths.txt"):
@@ -160,23 +162,25 @@ def test_bad_input_names_the_flag(tmp_path, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)
     lengths_file(tmp_path, [100, 200], name="L")
     with pytest.raises(ValueError, match=message):
-        estimate(flags)
+        estimate([*flags, *SMALL])
 
 
 def test_a_sequence_no_plan_holds_names_the_budget(tmp_path):
     path = lengths_file(tmp_path, [100, 4096])
     with pytest.raises(ValueError, match="--max-seqlen-per-dp-cp-rank"):
-        estimate(["--lengths", path, "--nproc", "1", "--batches", "1", "--global-batch-size", "2"])
+        estimate(["--lengths", path, "--nproc", "1", "--batches", "1", "--global-batch-size", "2",
+                  *SMALL])  # fmt: skip
 
 
 def test_a_hugging_face_dataset_without_the_datasets_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ValueError, match="--hf-dataset=json: .*pip install datasets"):
-        estimate(["--hf-dataset", "json", "--data-files", "x.jsonl", "--text-field", "text"])
+        estimate(["--hf-dataset", "json", "--data-files", "x.jsonl", "--text-field", "text",
+                  *SMALL])  # fmt: skip
 
 
 def test_main_exits_2_with_the_flag_on_stderr(capsys):
-    assert main(["estimate", "--nproc", "2"]) == 2
+    assert main(["estimate", "--nproc", "2", "--model-preset", "bench-train"]) == 2
     assert "megatron-dcp estimate: error: no data source" in capsys.readouterr().err
 
 

@@ -31,7 +31,8 @@ def test_an_unknown_vision_looking_flag_lists_the_vision_flags():
 def test_pretrain_vlm_flags_estimate_does_not_price_are_only_noted(tmp_path, capsys):
     path = tmp_path / "lengths.txt"
     path.write_text("100\n300\n")
-    flags = ["--lengths", str(path), "--batches", "1", "--global-batch-size", "2"]
+    flags = ["--lengths", str(path), "--batches", "1", "--global-batch-size", "2",
+             "--model-preset", "bench-train"]  # fmt: skip
     assert estimate([*flags, "--vision-projection-ffn-hidden-size", "64"]) == 0
     assert "flags estimate does not read: --vision-projection-ffn-hidden-size" in (
         capsys.readouterr().out
@@ -46,4 +47,4 @@ def test_a_malformed_vision_value_is_an_argparse_error(capsys):
 
 def test_a_text_source_next_to_vision_flags_is_refused():
     with pytest.raises(ValueError, match="--lengths='L' with vision-language flags"):
-        estimate(["--lengths", "L", "--vision-num-layers", "2"])
+        estimate(["--lengths", "L", "--vision-num-layers", "2", "--model-preset", "bench-train"])
