@@ -5,7 +5,10 @@ or from a teacher forward under DCP with its own plan, brought back by ``merge_o
 per token: :func:`teacher_top_k` before the merge keeps the gather small). They meet the
 student's layout through ``shard_per_token`` for each student micro-batch, whatever either plan
 was: nothing is recomputed to make the plans match. The per-token KL then goes through
-``masked_mean_loss`` with the response mask, normalised over the mini-batch's tokens.
+``masked_mean_loss``, normalised over the mini-batch's response tokens, with the response mask
+moved one place left (``to_state_positions``, before ``shard_per_token``): position ``t``'s
+distributions, the student's and the teacher's, are over token ``t + 1``, so response token
+``t + 1`` is scored at position ``t`` (verl's positions too; docs/rl.md, "Distillation").
 
 Two forms of the teacher, per token:
 

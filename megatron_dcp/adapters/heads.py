@@ -7,6 +7,9 @@ plain ``[1, hidden]`` weight held whole on every tensor-parallel rank, so its ou
 same on every TP rank; under sequence parallelism it first gathers the sequence. Price such a
 model's head as what it is, width 1 with no vocabulary projection:
 ``DCPConfig.for_model(model.config, budget, vocab_size=SCALAR_HEAD_WIDTH)``.
+
+The adapter's value and score helpers read one number per token: :func:`scalar_outputs` takes
+the head's width-1 axis off and refuses any other width, rather than keep column 0 of it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,24 @@ class ScalarHead(torch.nn.Module):
                 hidden_states, tensor_parallel_output_grad=False
             )
         return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def scalar_outputs(output: torch.Tensor, token_dims: int, what: str) -> torch.Tensor:
+    """``output`` as one number per token: ``[*tokens]`` as it is, ``[*tokens, 1]`` without its
+    head axis (``token_dims``: how many leading axes index tokens). Any other per-token shape, a
+    head wider than :data:`SCALAR_HEAD_WIDTH`, is refused: which column holds the value or the
+    score is the caller's to say. ``what`` names the argument in the message."""
+    if output.dim() <= token_dims:
+        return output
+    width = tuple(output.shape[token_dims:])
+    if width == (SCALAR_HEAD_WIDTH,):
+        return output[..., 0]
+    raise ValueError(
+        f"{what} has per-token shape {width}: a value or score head has width "
+        f"{SCALAR_HEAD_WIDTH} (one number per token), and taking one column of a wider head "
+        "would be a guess; use attach_scalar_head's head, or pass the column that holds the "
+        "value or score (output[..., i:i + 1])"
+    )
 
 
 def attach_scalar_head(model: Any) -> Any:

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.adapters.heads import scalar_outputs
 from megatron_dcp.adapters.loss import GradReduce
 from megatron_dcp.adapters.split import SplitBatch, shard_packed
 from megatron_dcp.runtime.groups import DCPGroups
@@ -121,8 +122,9 @@ def bradley_terry_loss(scores: torch.Tensor, pairs: Sequence[tuple[int, int]]) -
 
 
 def _per_token(output: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
-    """The model's output as ``[1, T_local]`` (a trailing width-1 head squeezed)."""
-    flat = output[..., 0] if output.dim() == 3 else output
+    """The model's output as ``[1, T_local]`` (a trailing width-1 head squeezed; a wider head
+    refused, not cut to its first column)."""
+    flat = scalar_outputs(output, 2, "output")
     if flat.shape != marks.shape:
         raise ValueError(
             f"output has shape {tuple(output.shape)}; expected {tuple(marks.shape)} or "

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_dcp.adapters.heads import scalar_outputs
 from megatron_dcp.adapters.loss import GradReduce, masked_mean_loss
 from megatron_dcp.adapters.split import SplitBatch
 
@@ -38,10 +39,11 @@ def to_state_positions(values: Sequence[torch.Tensor], fill: float = 0) -> list[
 
 def values_of_tokens(outputs: Sequence[torch.Tensor], fill: float = 0) -> list[torch.Tensor]:
     """Per sample (``merge_outputs``' order and lengths), token ``t``'s value: the output at
-    ``t - 1``; token 0 gets ``fill``. Outputs ``[L, 1]`` become values ``[L]``."""
+    ``t - 1``; token 0 gets ``fill``. Outputs ``[L, 1]`` become values ``[L]``; a wider head's
+    ``[L, W]`` is refused (:func:`~megatron_dcp.adapters.heads.scalar_outputs`)."""
     values = []
-    for output in outputs:
-        flat = output.reshape(output.shape[0], -1)[:, 0] if output.dim() > 1 else output
+    for index, output in enumerate(outputs):
+        flat = scalar_outputs(output, 1, f"outputs[{index}]")
         out = torch.full_like(flat, fill)
         out[1:] = flat[:-1]
         values.append(out)
@@ -61,12 +63,14 @@ def clipped_value_loss(
     """This rank's share of PPO's clipped value loss over one micro-batch:
     ``(1/count) Σ mask · ½ max((v − R)², (v_old + clip(v − v_old, ±ε) − R)²)``.
 
-    ``values``: the critic's output ``[1, T_local]`` (the head's width squeezed); the other
-    tensors are this micro-batch's shares (``shard_per_token``) of the per-sample targets after
+    ``values``: the critic's output ``[1, T_local]`` or ``[1, T_local, 1]`` (a wider head is
+    refused: :func:`~megatron_dcp.adapters.heads.scalar_outputs`); the other tensors are this
+    micro-batch's shares (``shard_per_token``) of the per-sample targets after
     :func:`to_state_positions`; ``count`` is the mini-batch's response tokens in full (the mask's
     sum over every sample, computed on any rank: each holds the whole mini-batch)."""
     if clip_range <= 0:
         raise ValueError(f"clip_range={clip_range}: use a positive clip range (PPO's ε, e.g. 0.2)")
+    values = scalar_outputs(values, 2, "values")
     clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
     per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     return masked_mean_loss(per_token, mask, count, split, grad_reduce)
