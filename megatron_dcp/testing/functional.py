@@ -3,7 +3,9 @@
 
 A case is a folder of ``functional_tests/test_cases``: ``model_config.yaml`` (the job: ``nproc``,
 ``train_iters``, ``save_interval``, the ``model_args`` flags and optionally ``resume: false``) and ``golden_values.json`` (the
-per-iteration ``lm loss`` this project produced). Regenerating goldens overwrites the reference
+per-iteration ``lm loss`` this project produced). A case's ranks are forked from one process
+that imported the entry point (``testing.forked_launch``: torch and megatron imported once per
+job, not once per rank). Regenerating goldens overwrites the reference
 every later run is judged by, so it refuses to run without ``--overwrite-goldens``:
 
     python -m megatron_dcp.testing.functional gpt3_tp2_pp1_cp4_dcp --overwrite-goldens
@@ -15,7 +17,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import yaml
 
@@ -106,7 +108,14 @@ def run_case(
     if load is not None:
         options.update({"--load": load, "--ckpt-step": ckpt_step})
     entry, args = launch_entry(case.entry, flag_list(options))  # the coverage check's switch
-    return run_pretrain(args, case.nproc, workdir / f"{label}.log", entry=entry)
+    log_path = workdir / f"{label}.log"
+    return run_pretrain(args, case.nproc, log_path, entry=entry, launcher=forked(case.entry))
+
+
+def forked(entry: str) -> Tuple[str, ...]:
+    """``run_pretrain``'s launcher that forks the ranks of a ``megatron_dcp.<entry>`` job from
+    one process that imported it (``testing.forked_launch``)."""
+    return ("-m", "megatron_dcp.testing.forked_launch", "--preload", f"megatron_dcp.{entry}")
 
 
 def write_goldens(case: FunctionalCase, log: RunLog) -> None:

@@ -141,6 +141,10 @@ class NodeLaunch:
     preexec_fn: Optional[Callable[[], None]] = None
 
 
+# How ``python`` starts torchrun.
+TORCHRUN = ("-m", "torch.distributed.run")
+
+
 def run_pretrain(
     args: Sequence[str],
     nproc: int,
@@ -150,10 +154,13 @@ def run_pretrain(
     entry: str = "pretrain_gpt",
     launch: NodeLaunch = NodeLaunch(),
     on_line: Optional[Callable[[str], None]] = None,
+    launcher: Sequence[str] = TORCHRUN,
 ) -> RunLog:
     """Run ``torchrun --standalone --nproc-per-node nproc -m megatron_dcp.<entry> args``
-    (under ``launch``); ``on_line`` sees every line of its output as it comes (progress)."""
-    command = [*launch.prefix, sys.executable, "-m", "torch.distributed.run"]
+    (under ``launch``); ``on_line`` sees every line of its output as it comes (progress).
+    ``launcher``: the python arguments that start the launcher, torchrun's by default (the
+    functional tests fork their ranks instead: ``megatron_dcp.testing.forked_launch``)."""
+    command = [*launch.prefix, sys.executable, *launcher]
     command += [f"--nproc-per-node={nproc}", *launch.torchrun_flags]
     command += ["--standalone"] if port is None else ["--master-port", str(port)]
     command += ["-m", f"megatron_dcp.{entry}", *args]

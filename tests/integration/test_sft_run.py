@@ -8,6 +8,7 @@ import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.testing.force_static_plan import launch_entry
+from megatron_dcp.testing.functional import forked
 from megatron_dcp.testing.model_size import check_model_size
 from megatron_dcp.testing.plan_coverage import Layout, assert_covers, training_run_plan
 from megatron_dcp.tools.conversation_corpus import write_sft_corpus
@@ -45,10 +46,11 @@ def sft_options(tmp_path, **overrides) -> dict:
 
 
 def pretrain(options: dict, log_path) -> RunLog:
-    """``megatron_dcp.pretrain_gpt`` on 4 ranks (CP2·DP2), through the coverage check's switch
+    """``megatron_dcp.pretrain_gpt`` on 4 ranks (CP2·DP2) forked from one process
+    (``testing.forked_launch``), through the coverage check's switch
     (``testing.force_static_plan``) when it is on."""
     entry, args = launch_entry("pretrain_gpt", flag_list(options))
-    return run_pretrain(args, 4, log_path, timeout_s=300, entry=entry)
+    return run_pretrain(args, 4, log_path, timeout_s=300, entry=entry, launcher=forked(entry))
 
 
 def tokenizer_vocabulary(path) -> int:
