@@ -24,7 +24,7 @@ import pytest
 from megatron_dcp.testing.functional import case_names, load_case, resumed_case_names, run_case
 from megatron_dcp.testing.model_size import check_model_size
 from megatron_dcp.testing.plan_coverage import assert_covers, training_run_plan
-from megatron_dcp.tools.launcher import RunLog
+from megatron_dcp.tools.launching.training_runs import RunLog
 
 # Goldens were produced on this kind of machine (fp32, gloo, deterministic reductions); the
 # logged loss has 7 significant digits.

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_dcp.testing.functional import load_case
 from megatron_dcp.testing.model_size import check_model_size, flags_of
-from megatron_dcp.tools.launcher import (
+from megatron_dcp.tools.launching.training_runs import (
     flag_list,
     kill_tree,
     run_agents,

@@ -194,7 +194,7 @@ COST_MUTANTS = (
     ),
     Mutant(
         "bench-data-path-keeps-mock-lengths",
-        "megatron_dcp/tools/cli/bench_train.py",
+        "megatron_dcp/tools/bench_train/run_flags.py",
         'DATA_SOURCES = ("--sft-data", "--varlen-lengths-file", "--data-path")',
         'DATA_SOURCES = ("--sft-data", "--varlen-lengths-file")',
         ("tests/unit/tools/test_bench_train.py",),
@@ -202,7 +202,7 @@ COST_MUTANTS = (
     ),
     Mutant(
         "flags-equals-form-unseen",
-        "megatron_dcp/tools/cli/args.py",
+        "megatron_dcp/tools/argument_types.py",
         '    return {item.split("=", 1)[0] for item in argv if item.startswith("--")}',
         '    return {item for item in argv if item.startswith("--")}',
         ("tests/unit/tools/test_bench_train.py",),

@@ -44,9 +44,9 @@ MICROBATCH = FEATURES.index("microbatch")
 PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
 # Online refinement (see OnlineRefinement and docs/cost_model.md "Replaying recorded runs",
 # chosen by replaying recorded `bench-train` runs with `megatron-dcp replay-refinement` and
-# checked with `python -m megatron_dcp.tools.refinement_bench`): the steps whose points the fit
-# keeps; the weight that holds the factors to the anchor's shape, times σ² (a factor twice the
-# others' level costs as much as 10 points off by σ: on contended CPU steps,
+# checked with `python -m megatron_dcp.tools.refinement.convergence_bench`): the steps whose
+# points the fit keeps; the weight that holds the factors to the anchor's shape, times σ² (a
+# factor twice the others' level costs as much as 10 points off by σ: on contended CPU steps,
 # σ ≈ 15 %, the shape holds; on clean ones, σ ≈ 1 %, the data moves it); the bounds (× anchor);
 # Huber's threshold (None: squares); the free level; the half-life of a step's weight, in steps;
 # the residual σ the first fit assumes, and its floor. Before: prior weight 0.0005 fixed, no free

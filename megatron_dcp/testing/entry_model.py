@@ -11,7 +11,7 @@ import os
 from typing import Any, Dict, List, Mapping, Tuple
 
 from megatron_dcp.integration.patches import enable_cpu_training
-from megatron_dcp.tools.launcher import flag_list
+from megatron_dcp.tools.launching.training_runs import flag_list
 
 # As the entry points do when imported, before megatron.training is (and in the parent process:
 # forked ranks inherit it).

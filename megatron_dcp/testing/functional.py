@@ -23,7 +23,7 @@ import yaml
 
 from megatron_dcp.testing.force_static_plan import launch_entry
 from megatron_dcp.testing.plan_coverage import Layout
-from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
+from megatron_dcp.tools.launching.training_runs import RunLog, flag_list, run_pretrain
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "functional_tests" / "test_cases"
 # The vision-language case (entry pretrain_vlm): its own test, no goldens, so not in CASES_DIR.

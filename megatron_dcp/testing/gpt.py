@@ -42,7 +42,7 @@ from megatron_dcp.testing.precision import (
 )
 from megatron_dcp.tools.check.global_names import parameter_gradient, renumbered, unwrap
 from megatron_dcp.tools.check.rounding import add_gradients
-from megatron_dcp.tools.local_ranks import run_distributed
+from megatron_dcp.tools.launching.local_ranks import run_distributed
 
 import_megatron_core()
 

@@ -90,7 +90,7 @@ class Shape:
 
 def flags_of(argv: Sequence[str]) -> Dict[str, object]:
     """A command line's flags as ``{flag: value}`` (a flag without a value: True), the form the
-    functions here take (the inverse of ``launcher.flag_list``)."""
+    functions here take (the inverse of ``training_runs.flag_list``)."""
     flags: Dict[str, object] = {}
     for index, word in enumerate(argv):
         if word.startswith("--"):

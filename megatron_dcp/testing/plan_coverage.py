@@ -75,9 +75,10 @@ LAYOUT_ARGUMENTS = {
 
 
 def training_run_plan(log: Any) -> RanPlan:
-    """What a ``megatron_dcp.pretrain_gpt`` job ran, from its log (``tools.launcher.RunLog``):
-    the CP sizes and micro-batch count of each iteration's plan (its ``[DCP]`` lines) and the
-    layout megatron.training printed among its arguments."""
+    """What a ``megatron_dcp.pretrain_gpt`` job ran, from its log
+    (``tools.launching.training_runs.RunLog``): the CP sizes and micro-batch count of each
+    iteration's plan (its ``[DCP]`` lines) and the layout megatron.training printed among its
+    arguments."""
     arguments = dict(ARGUMENT.findall(log.output))
     missing = [name for name in LAYOUT_ARGUMENTS.values() if name not in arguments]
     assert not missing, f"the training log prints no {', '.join(missing)}"

@@ -38,7 +38,7 @@ from megatron_dcp.testing.gpt import (
     tiny_gpt_config,
     to_float64,
 )
-from megatron_dcp.tools.local_ranks import run_distributed
+from megatron_dcp.tools.launching.local_ranks import run_distributed
 
 Sample = dict
 

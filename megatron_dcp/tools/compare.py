@@ -12,7 +12,7 @@ from megatron_dcp.scheduling.cost_fit import load_profile
 from megatron_dcp.scheduling.domain import Domain
 from megatron_dcp.scheduling.hardware import REFERENCE_GPU_PROFILE, hardware_profile
 from megatron_dcp.scheduling.topology import NodeLayout, node_layout
-from megatron_dcp.tools.cli.args import error_message
+from megatron_dcp.tools.error_wording import error_message
 from megatron_dcp.tools.plan_report import Report, report, timed_schedule
 from megatron_dcp.tools.plot import Panel, plan_panel
 from megatron_dcp.tools.workloads import summarize

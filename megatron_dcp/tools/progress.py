@@ -117,7 +117,7 @@ def plain_line(label: str, done: int, total: int, units: str, elapsed: float) ->
 def iteration_reader(
     progress: Progress, note: Callable[[int], str] = lambda iteration: ""
 ) -> Callable[[str], None]:
-    """A reader of a training run's output, line by line (``launcher.run_pretrain``'s
+    """A reader of a training run's output, line by line (``training_runs.run_pretrain``'s
     ``on_line``), that reports each finished iteration: its ``[DCP]`` line, which rank 0 prints
     after the step. ``note(iteration)`` adds what the command knows of it (a batch, an arm)."""
 

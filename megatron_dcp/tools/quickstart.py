@@ -29,8 +29,8 @@ from typing import Dict, List, Sequence, Tuple
 
 from megatron_dcp.scheduling import CostModel, Plan, build_scheduler
 from megatron_dcp.scheduling.metrics import critical_path, lower_bound
-from megatron_dcp.tools.cli.args import positive_int
-from megatron_dcp.tools.launcher import (
+from megatron_dcp.tools.argument_types import positive_int
+from megatron_dcp.tools.launching.training_runs import (
     DCPFigures,
     RunLog,
     TrainingRunError,

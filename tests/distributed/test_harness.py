@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.testing import DistributedTestError, run_distributed
-from megatron_dcp.tools.local_ranks import cuda_device_count
+from megatron_dcp.tools.launching.local_ranks import cuda_device_count
 
 
 def _all_reduce_rank(rank, world_size):

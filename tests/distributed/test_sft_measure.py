@@ -10,7 +10,7 @@ import pytest
 from megatron_dcp.integration.data.chat import chat_tokenizer_from_dir
 from megatron_dcp.integration.data.sft import SFTOptions, conversation_table
 from megatron_dcp.tools.conversation_corpus import write_sft_corpus
-from megatron_dcp.tools.local_ranks import run_distributed
+from megatron_dcp.tools.launching.local_ranks import run_distributed
 
 
 def table_or_error(rank, world_size, corpus, tokenizer):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron_dcp.tools.local_ranks import cuda_device_count
+from megatron_dcp.tools.launching.local_ranks import cuda_device_count
 
 pytestmark = [
     pytest.mark.skipif(cuda_device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)"),

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_dcp.tools.local_ranks import cuda_device_count
+from megatron_dcp.tools.launching.local_ranks import cuda_device_count
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 

@@ -24,7 +24,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron_dcp.tools.local_ranks import cuda_device_count, run_distributed
+from megatron_dcp.tools.launching.local_ranks import cuda_device_count, run_distributed
 
 HAVE_FLA = importlib.util.find_spec("fla") is not None
 GPUS = cuda_device_count()

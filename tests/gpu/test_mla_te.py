@@ -44,7 +44,7 @@ from test_te_attention import (
 )
 
 from megatron_dcp.runtime.packing import zigzag_slice
-from megatron_dcp.tools.local_ranks import run_distributed
+from megatron_dcp.tools.launching.local_ranks import run_distributed
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -36,7 +36,7 @@ import torch
 
 from megatron_dcp.runtime.packing import zigzag_slice
 from megatron_dcp.scheduling import Block, Domain
-from megatron_dcp.tools.local_ranks import cuda_device_count, run_distributed
+from megatron_dcp.tools.launching.local_ranks import cuda_device_count, run_distributed
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 GPUS = cuda_device_count()

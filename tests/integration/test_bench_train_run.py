@@ -11,9 +11,11 @@ import pytest
 
 from megatron_dcp.scheduling.cost_fit import coefficients
 from megatron_dcp.testing.model_size import check_model_size, flags_of
-from megatron_dcp.tools.cli.bench_train import DigestMismatch, bench_train, training_flags
-from megatron_dcp.tools.launcher import parse_log
-from megatron_dcp.tools.refinement_replay import load_run, replay, run_prior
+from megatron_dcp.tools.bench_train.run import DigestMismatch
+from megatron_dcp.tools.bench_train.run_flags import training_flags
+from megatron_dcp.tools.cli.bench_train import bench_train
+from megatron_dcp.tools.launching.training_runs import parse_log
+from megatron_dcp.tools.refinement.replay import load_run, replay, run_prior
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

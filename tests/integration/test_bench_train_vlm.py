@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from megatron_dcp.tools.bench_train.run_flags import training_flags
 from megatron_dcp.tools.bench_train.worker import DigestingIterator
-from megatron_dcp.tools.cli.bench_train import bench_train, training_flags
+from megatron_dcp.tools.cli.bench_train import bench_train
 
 TINY_VLM = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -8,14 +8,14 @@ from collections import Counter
 import pytest
 
 from megatron_dcp.scheduling.cost_fit import FEATURES, load_profile
-from megatron_dcp.tools.calibration import (
+from megatron_dcp.tools.calibration.fit import (
     available_cores,
     check_split,
     cp_sizes,
     grid,
     split_hold_out,
 )
-from megatron_dcp.tools.calibration_worker import Point, point_times
+from megatron_dcp.tools.calibration.rank_timing import Point, point_times
 from megatron_dcp.tools.cli import main as cli
 
 TINY_MODEL = [

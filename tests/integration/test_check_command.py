@@ -18,7 +18,7 @@ from megatron_dcp.testing.model_size import check_model_size, flags_of
 from megatron_dcp.testing.plan_coverage import Layout, RanPlan, assert_covers, training_run_plan
 from megatron_dcp.tools.bench_train.arms import arm_at
 from megatron_dcp.tools.check.reordered import CHECK_ARMS
-from megatron_dcp.tools.launcher import parse_log
+from megatron_dcp.tools.launching.training_runs import parse_log
 
 TIMEOUT_S = 300
 

@@ -13,7 +13,7 @@ import torch
 from megatron_dcp.testing.gpt import TinyGPTOptions, build_tiny_gpt, make_samples
 from megatron_dcp.testing.gpt import single_process_reference
 from megatron_dcp.tools.check import global_names, reference_arm
-from megatron_dcp.tools.local_ranks import run_distributed
+from megatron_dcp.tools.launching.local_ranks import run_distributed
 
 
 REFUSAL = """

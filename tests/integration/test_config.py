@@ -18,7 +18,7 @@ from megatron_dcp.integration.model_checks import check_model_config
 from megatron_dcp.scheduling import SCHEDULERS, build_scheduler
 from megatron_dcp.scheduling.dp_balanced import DPBalancedScheduler
 from megatron_dcp.scheduling.errors import SchedulingError
-from megatron_dcp.tools.cli.args import error_message
+from megatron_dcp.tools.error_wording import error_message
 
 GOOD = dict(
     calculate_per_token_loss=True,

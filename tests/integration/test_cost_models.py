@@ -329,7 +329,7 @@ def test_the_log_line_carries_both_step_times_and_the_launcher_reads_them():
     from megatron_dcp.integration.forward_backward import BatchStats
     from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
     from megatron_dcp.scheduling.cost_fit import OnlineRefinement
-    from megatron_dcp.tools.launcher import parse_log
+    from megatron_dcp.tools.launching.training_runs import parse_log
 
     stats = BatchStats(3, {1: 5, 2: 4}, 0.0037, 4000, 0, 0, 0, 1.008, predicted_step_s=0.8123)
     schedule = DCPSchedule(DCPConfig(max_seqlen_per_dp_cp_rank=8), print, iteration=lambda: 7)
@@ -349,7 +349,7 @@ def test_an_untimed_step_says_so_and_the_launcher_reads_no_measured_figures():
     """Adaptation off and no tool asking for times: the line prints no measured figure (not 0)."""
     from megatron_dcp.integration.forward_backward import BatchStats
     from megatron_dcp.integration.training.dcp_schedule import DCPSchedule
-    from megatron_dcp.tools.launcher import parse_log
+    from megatron_dcp.tools.launching.training_runs import parse_log
 
     stats = BatchStats(3, {1: 5, 2: 4}, 0.0037, 4000, 0, 0, 0, 1.008, predicted_step_s=0.8123)
     config = DCPConfig(max_seqlen_per_dp_cp_rank=8, cost_adapt=False)
@@ -380,7 +380,7 @@ def test_the_quickstart_replans_with_the_runs_cost_model(pretrain_gpt, sft, tmp_
     import random
 
     from megatron_dcp.scheduling import build_scheduler
-    from megatron_dcp.tools.launcher import flag_list
+    from megatron_dcp.tools.launching.training_runs import flag_list
     from megatron_dcp.tools.quickstart import (
         MODEL,
         NPROC,

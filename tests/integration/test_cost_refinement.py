@@ -31,7 +31,7 @@ from megatron_dcp.testing.gpt import (  # noqa: E402
     init_megatron,
     make_samples,
 )
-from megatron_dcp.tools.launcher import parse_log  # noqa: E402
+from megatron_dcp.tools.launching.training_runs import parse_log  # noqa: E402
 
 OPTIONS = TinyGPTOptions(num_layers=2)
 STEPS, BATCH, BUDGET = 4, 8, 64

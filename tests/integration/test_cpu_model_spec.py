@@ -20,7 +20,7 @@ from megatron_dcp.testing.entry_model import (  # noqa: E402
     reset_megatron_arguments,
 )
 from megatron_dcp.testing.model_size import expected_parameters  # noqa: E402
-from megatron_dcp.tools.local_ranks import run_distributed  # noqa: E402
+from megatron_dcp.tools.launching.local_ranks import run_distributed  # noqa: E402
 
 HYBRID = {"--hybrid-layer-pattern": "M*M-", "--num-layers": 4, "--mamba-head-dim": 16}
 HYBRID.update({"--mamba-num-groups": 2, "--mamba-state-dim": 8})

@@ -77,9 +77,9 @@ def test_the_vision_term_grows_with_the_vision_flags(tmp_path):
 
 def test_mock_flags_alone_take_the_presets_vision_model(tmp_path):
     """No vision flag, --model-preset bench-train: bench-train --entry pretrain_vlm's ViT
-    (cli.bench_train.VLM_DEFAULTS)."""
+    (bench_train.run_flags.VLM_DEFAULTS)."""
     from megatron_dcp.integration.model_cost import cost_model_of, model_shape_from_args
-    from megatron_dcp.tools.cli.bench_train import VLM_DEFAULTS
+    from megatron_dcp.tools.bench_train.run_flags import VLM_DEFAULTS
 
     result = run(tmp_path, "defaults", "--vlm-images-per-sample", "0:0.5,1:0.5")
     view = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4,

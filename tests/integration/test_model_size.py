@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-cor
 from megatron_dcp.testing.entry_model import TINY_FLAGS, built_model  # noqa: E402
 from megatron_dcp.testing.functional import case_names, load_case  # noqa: E402
 from megatron_dcp.testing.model_size import check_model_size, expected_parameters  # noqa: E402
-from megatron_dcp.tools.launcher import parse_log  # noqa: E402
-from megatron_dcp.tools.local_ranks import run_distributed  # noqa: E402
+from megatron_dcp.tools.launching.local_ranks import run_distributed  # noqa: E402
+from megatron_dcp.tools.launching.training_runs import parse_log  # noqa: E402
 
 EXPERTS = {"--num-experts": 4, "--moe-token-dispatcher-type": "alltoall"}
 LAYOUTS = {

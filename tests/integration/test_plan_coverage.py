@@ -22,7 +22,7 @@ from megatron_dcp.testing.plan_coverage import (
     plan_of,
     training_run_plan,
 )
-from megatron_dcp.tools.launcher import parse_log
+from megatron_dcp.tools.launching.training_runs import parse_log
 
 DP2CP2 = Layout(dp=2, cp=2)
 LENGTHS = (37, 5, 120, 64, 9, 200, 33, 71)

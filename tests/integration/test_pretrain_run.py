@@ -12,7 +12,7 @@ import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.testing.model_size import check_model_size
-from megatron_dcp.tools.launcher import flag_list, run_pretrain
+from megatron_dcp.tools.launching.training_runs import flag_list, run_pretrain
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-cor
 
 from megatron_dcp.testing import run_distributed  # noqa: E402
 from megatron_dcp.testing.entry_model import TINY_FLAGS, reset_megatron_arguments  # noqa: E402
-from megatron_dcp.tools.launcher import flag_list  # noqa: E402
+from megatron_dcp.tools.launching.training_runs import flag_list  # noqa: E402
 
 # pretrain_gpt's tiny model with a tiny CLIP ViT (tiles of 32 × 32 pixels, 4 patches of 16).
 VLM_FLAGS = {

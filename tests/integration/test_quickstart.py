@@ -7,7 +7,7 @@ the batches it re-plans are the ones training hands out."""
 from megatron_dcp.integration.data.datasets import build_varlen_datasets
 from megatron_dcp.scheduling import build_cost_model
 from megatron_dcp.tools import quickstart
-from megatron_dcp.tools.launcher import DCPFigures, RunLog
+from megatron_dcp.tools.launching.training_runs import DCPFigures, RunLog
 
 COST = build_cost_model("model")
 LENGTHS = [[900, 40, 60, 30, 200, 100, 20, 16], [300, 300, 200, 100, 50, 50, 30, 16]]

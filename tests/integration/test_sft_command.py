@@ -11,7 +11,7 @@ import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
 from megatron_dcp.testing.model_size import check_model_size, flags_of
-from megatron_dcp.tools.launcher import parse_log
+from megatron_dcp.tools.launching.training_runs import parse_log
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 CLI = Path(sys.executable).with_name("megatron-dcp")

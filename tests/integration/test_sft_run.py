@@ -12,7 +12,7 @@ from megatron_dcp.testing.functional import forked
 from megatron_dcp.testing.model_size import check_model_size
 from megatron_dcp.testing.plan_coverage import Layout, assert_covers, training_run_plan
 from megatron_dcp.tools.conversation_corpus import write_sft_corpus
-from megatron_dcp.tools.launcher import RunLog, flag_list, run_pretrain
+from megatron_dcp.tools.launching.training_runs import RunLog, flag_list, run_pretrain
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
-from megatron_dcp.tools.launcher import flag_list, worker_env
+from megatron_dcp.tools.launching.training_runs import flag_list, worker_env
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 

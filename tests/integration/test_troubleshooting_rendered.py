@@ -14,7 +14,7 @@ from typing import List, Sequence
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
-from megatron_dcp.tools.launcher import flag_list
+from megatron_dcp.tools.launching.training_runs import flag_list
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT / "tests" / "unit"))  # the check's readers, shared with the unit test

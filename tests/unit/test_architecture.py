@@ -5,6 +5,10 @@
   nor megatron, nor numpy; the simulator's command line neither torch, megatron nor matplotlib;
   the unit tests' modules neither torch nor megatron;
 - **no import cycles** among ``megatron_dcp`` modules, function-local imports counted;
+- **the command line is wiring**: no module outside ``tools/cli/`` imports ``tools.cli``
+  (function-local imports counted) but the command's entry point ``tools/__main__.py``: what a
+  subcommand runs lives in the rest of ``tools``, which the command line imports, never the
+  other way round;
 - **names**: no two modules of the package share a file name; docs/architecture.md names each;
 - **the patch table**: outside ``integration/patches/`` no module assigns to an attribute of an
   imported module or object (``megatron...``, ``torch.cuda``, ``sys.argv``, ...), nor calls
@@ -46,6 +50,9 @@ LAYERS = {
     "testing": 5,
 }
 TORCH_FREE = ("torch", "megatron", "numpy")
+CLI = "megatron_dcp.tools.cli"
+# ``python -m megatron_dcp.tools``: the one module outside the command line that runs it.
+CLI_ENTRY_POINTS = ("megatron_dcp.tools.__main__",)
 
 
 def python_files(root: Path = PACKAGE) -> List[Path]:
@@ -169,6 +176,47 @@ def test_the_layer_scan_finds_an_upward_import():
 def test_every_part_of_the_package_has_a_layer():
     tops = {path.relative_to(PACKAGE).parts[0].removesuffix(".py") for path in python_files()}
     assert tops - {"__main__"} <= set(LAYERS), sorted(tops - set(LAYERS))
+
+
+def in_cli(module: str) -> bool:
+    return module == CLI or module.startswith(CLI + ".")
+
+
+def command_line_imports(graph: Mapping[str, Set[str]]) -> List[str]:
+    """Imports of ``tools.cli`` by modules outside it (its entry points aside)."""
+    return [
+        f"{source} imports {target}"
+        for source, targets in sorted(graph.items())
+        if not in_cli(source) and source not in CLI_ENTRY_POINTS
+        for target in sorted(targets)
+        if in_cli(target)
+    ]
+
+
+def test_only_the_command_line_imports_the_command_line():
+    offenders = command_line_imports(package_graph())
+    assert offenders == [], (
+        "move what these modules use out of tools/cli/ (the command line keeps its parsers and "
+        f"dispatch): {offenders}"
+    )
+
+
+def test_the_command_line_scan_finds_an_import_of_the_command_line():
+    sources = {
+        CLI: "",
+        f"{CLI}.args": "",
+        f"{CLI}.main": f"from {CLI}.args import x\n",
+        "megatron_dcp.tools.__main__": f"from {CLI}.main import main\n",
+        "megatron_dcp.tools.quick": f"def f():\n    from {CLI} import args\n",
+        "megatron_dcp.testing.harness": f"import {CLI}.args\n",
+        "megatron_dcp.tools.plot": "from megatron_dcp.tools import quick\n",
+    }
+    graph = import_graph(sources, {CLI, "megatron_dcp.tools"})
+    assert command_line_imports(graph) == [
+        f"megatron_dcp.testing.harness imports {CLI}.args",
+        f"megatron_dcp.tools.quick imports {CLI}",
+        f"megatron_dcp.tools.quick imports {CLI}.args",
+    ]
 
 
 _IMPORT_SCHEDULING = """

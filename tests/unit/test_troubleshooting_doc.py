@@ -160,7 +160,7 @@ REFUSING_MODULES = {
     "value_error": "def f(x):\n    raise ValueError(f'--x={x}: refused')\n",
     "parser_error": "def f(p):\n    p.error('--x: refused')\n",
     "system_exit": "def f():\n    raise SystemExit('tool: refused')\n",
-    "subclass": "from megatron_dcp.tools.cli.bench_train import DigestMismatch\n"
+    "subclass": "from megatron_dcp.tools.bench_train.run import DigestMismatch\n"
     "def f():\n    raise DigestMismatch('arms differ')\n",
     "builder": "def f(x):\n    raise _error(x)\n"
     "def _error(x):\n    return ValueError(f'{x}: refused')\n",
@@ -171,8 +171,8 @@ REFUSING_MODULES = {
 def test_a_module_outside_the_sources_that_refuses_is_reported(source):
     """The check can fail: a new module that raises a ValueError (a subclass of another module,
     one made by a builder), calls ``parser.error`` or exits with a message is reported."""
-    bench_train = "tools/cli/bench_train.py"  # a source: it defines DigestMismatch(ValueError)
-    trees = {bench_train: ast.parse((PACKAGE / bench_train).read_text())}
+    bench_run = "tools/bench_train/run.py"  # a source: it defines DigestMismatch(ValueError)
+    trees = {bench_run: ast.parse((PACKAGE / bench_run).read_text())}
     trees["tools/new_tool.py"] = ast.parse(source)
     assert escaped(trees) == ["tools/new_tool.py"]
 

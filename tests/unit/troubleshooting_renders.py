@@ -12,8 +12,8 @@ from typing import List, Sequence
 
 from troubleshooting_code import Template
 
-# megatron-dcp command lines argparse refuses: each argument type's refusals (tools/cli/args.py),
-# a choice and a flag that do not exist.
+# megatron-dcp command lines argparse refuses: each argument type's refusals
+# (tools/argument_types.py), a choice and a flag that do not exist.
 REFUSED_COMMAND_LINES = (
     ("simulate", "--dp-size", "two"),
     ("simulate", "--dp-size", "0"),

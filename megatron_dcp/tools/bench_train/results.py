@@ -27,7 +27,7 @@ from megatron_dcp.tools.bench_train.stats import (
     speedup_interval,
 )
 from megatron_dcp.tools.bench_train.worker import PLANS_FILE
-from megatron_dcp.tools.launcher import RunLog
+from megatron_dcp.tools.launching.training_runs import RunLog
 
 ELAPSED = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 # The model-against-clock windows (training iterations, inclusive).

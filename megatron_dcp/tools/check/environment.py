@@ -63,7 +63,7 @@ def patch_report() -> List[Dict[str, Any]]:
 
 
 def device_report() -> Dict[str, Any]:
-    from megatron_dcp.tools.launcher import available_cores
+    from megatron_dcp.tools.launching.training_runs import available_cores
 
     gpus = []
     if torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""One layout of ``megatron-dcp check``: a ``bench-train`` run (``cli.bench_train.run_bench``, the
+"""One layout of ``megatron-dcp check``: a ``bench-train`` run (``bench_train.run.run_bench``, the
 launcher bench-train uses) of the check's arms by the check's worker, then the reference arm
 (``tools.check.reference_arm``, its own process) on what the workers trained on, and what both
 found: the CP sizes every arm planned, static CP's and DCP's distance from the reference and
@@ -104,7 +104,7 @@ def run_layout(layout: Layout, stage: Stage, out: Path, timeout_s: float) -> Lay
     """Run the check's arms on ``layout`` with the ``stage``'s training flags, then the
     reference arm; raises TrainingRunError when training fails."""
     from megatron_dcp.tools.check import reference_records
-    from megatron_dcp.tools.cli.bench_train import run_bench
+    from megatron_dcp.tools.bench_train.run import run_bench
 
     options = argparse.Namespace(out=out, nproc=layout.nproc, batches=BATCHES, warmup=WARMUP)
     options.entry = "pretrain_gpt"

@@ -229,7 +229,7 @@ def reference_worker(rank: int, world_size: int, out: str, precision: str) -> Li
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    from megatron_dcp.tools.local_ranks import run_distributed
+    from megatron_dcp.tools.launching.local_ranks import run_distributed
 
     parser = argparse.ArgumentParser(description="check's reference arm (module docstring)")
     parser.add_argument("--out", type=Path, required=True, help="the layout's run folder")

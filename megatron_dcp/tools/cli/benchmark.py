@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from megatron_dcp.scheduling.cost import COST_MODELS
+from megatron_dcp.tools.argument_types import positive_int, training_budget
 from megatron_dcp.tools.benchmark_matrix import (
     DEFAULT_BUDGETS,
     DEFAULT_COST_MODELS,
@@ -16,12 +17,7 @@ from megatron_dcp.tools.benchmark_matrix import (
     benchmark_timings,
     format_timings,
 )
-from megatron_dcp.tools.cli.args import (
-    add_cost_profile_arg,
-    add_ranks_per_node_arg,
-    positive_int,
-    training_budget,
-)
+from megatron_dcp.tools.cli.args import add_cost_profile_arg, add_ranks_per_node_arg
 
 
 def cmd_benchmark(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """``megatron-dcp calibrate``: its flags (mixed with megatron's model flags), their checks, and
-the whole command: check, measure, fit, write, print (:mod:`megatron_dcp.tools.calibration`)."""
+the whole command: check, measure, fit, write, print (:mod:`megatron_dcp.tools.calibration.fit`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import os
 from typing import Any, Sequence
 
 from megatron_dcp.scheduling.cost_fit import CostProfile, save_profile
-from megatron_dcp.tools.calibration import (
+from megatron_dcp.tools.argument_types import fraction, int_list, positive_int
+from megatron_dcp.tools.calibration.fit import (
     DEFAULT_HOLD_OUT,
     DEFAULT_LENGTHS,
     DEFAULT_PACK_SIZES,
@@ -25,9 +26,13 @@ from megatron_dcp.tools.calibration import (
     source,
     split_hold_out,
 )
-from megatron_dcp.tools.calibration_link import describe_link, link_source, shaped_calibration
-from megatron_dcp.tools.cli.args import add_pass_through, fraction, int_list, positive_int
-from megatron_dcp.tools.launcher import available_cores, check_rank_per_core
+from megatron_dcp.tools.calibration.shaped_link import (
+    describe_link,
+    link_source,
+    shaped_calibration,
+)
+from megatron_dcp.tools.cli.args import add_pass_through
+from megatron_dcp.tools.launching.training_runs import available_cores, check_rank_per_core
 
 USAGE = f"{PROG} --output PROFILE.json [calibration flags] (megatron's model flags)"
 
@@ -70,7 +75,7 @@ def calibration_parser() -> argparse.ArgumentParser:
         prog=PROG,
         usage=USAGE,
         description="Measure the real model on this machine and fit the cost model the "
-        "scheduler plans with (module megatron_dcp.tools.calibration).",
+        "scheduler plans with (module megatron_dcp.tools.calibration.fit).",
         epilog="Model flags: those of `python -m megatron_dcp.pretrain_gpt --help`.",
         allow_abbrev=False,
         add_help=False,

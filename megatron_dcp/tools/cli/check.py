@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_dcp.tools.cli.args import add_pass_through, given_flags, positive_int
+from megatron_dcp.tools.argument_types import given_flags, positive_int
+from megatron_dcp.tools.cli.args import add_pass_through
 
 PROG = "megatron-dcp check"
 DEFAULTS: Dict[str, object] = {
@@ -92,7 +93,7 @@ def add_check(sub: argparse._SubParsersAction) -> None:
 
 def training_flags(extra: Sequence[str], on_gpu: bool) -> List[str]:
     """:data:`DEFAULTS` under the user's model flags, with what the check sets itself."""
-    from megatron_dcp.tools.launcher import flag_list
+    from megatron_dcp.tools.launching.training_runs import flag_list
 
     given = given_flags(extra)
     refused = sorted(given.intersection(CHECK_SETS))
@@ -187,7 +188,7 @@ def run_stage(options: argparse.Namespace, nproc: int, stage: Any) -> Tuple[List
     """Every layout's run at one stage's precision: (results, problems found)."""
     from megatron_dcp.tools.check.layout_runs import LayoutResult, layouts_for, run_layout
     from megatron_dcp.tools.check.verdict import describe, failures
-    from megatron_dcp.tools.launcher import TrainingRunError
+    from megatron_dcp.tools.launching.training_runs import TrainingRunError
 
     results, problems = [], []
     for layout in layouts_for(nproc):

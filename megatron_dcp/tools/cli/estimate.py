@@ -41,13 +41,9 @@ from megatron_dcp.scheduling.hardware import (
     HardwareProfile,
 )
 from megatron_dcp.scheduling.model_shape import ModelShape
-from megatron_dcp.tools.cli.args import (
-    add_pass_through,
-    positive_int,
-    power_of_two,
-    training_budget,
-)
-from megatron_dcp.tools.cli.bench_train import DEFAULTS
+from megatron_dcp.tools.argument_types import positive_int, power_of_two, training_budget
+from megatron_dcp.tools.bench_train.run_flags import DEFAULTS
+from megatron_dcp.tools.cli.args import add_pass_through
 from megatron_dcp.tools.compare import DomainSpec
 from megatron_dcp.tools.estimate.answer import MIN_GAIN, Estimate, as_dict, batches_of
 from megatron_dcp.tools.estimate.answer import format_estimate

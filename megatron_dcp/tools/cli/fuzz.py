@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from megatron_dcp.tools.cli.args import positive_int
+from megatron_dcp.tools.argument_types import positive_int
 
 
 def add_fuzz(sub: Any) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_dcp.tools.cli.args import positive_int
+from megatron_dcp.tools.argument_types import positive_int
 from megatron_dcp.tools.link_sweep.runs import read_machine, read_sweep, sweep_progress
 from megatron_dcp.tools.link_sweep.sweep_table import markdown_table
 from megatron_dcp.tools.link_sweep.planner_targets import check_planner_targets

@@ -18,7 +18,6 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from megatron_dcp.tools.cli.args import error_message
 from megatron_dcp.tools.cli.bench_train import add_bench_train
 from megatron_dcp.tools.cli.benchmark import add_benchmark
 from megatron_dcp.tools.cli.calibrate import add_calibrate
@@ -29,6 +28,7 @@ from megatron_dcp.tools.cli.link_sweep import add_link_sweep
 from megatron_dcp.tools.cli.replay_refinement import add_replay_refinement
 from megatron_dcp.tools.cli.sft_corpus import add_sft_corpus
 from megatron_dcp.tools.cli.simulate import add_simulate
+from megatron_dcp.tools.error_wording import error_message
 
 # ``megatron-dcp --help``'s summary of every subcommand, laid out by hand (argparse would wrap
 # it and break the commands' names at their hyphens); tests/unit/test_cli_commands.py checks

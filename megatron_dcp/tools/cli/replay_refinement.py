@@ -1,5 +1,5 @@
 """``megatron-dcp replay-refinement DIR [DIR ...]``: the online refinement of recorded
-``bench-train`` runs, replayed offline (``tools.refinement_replay``).
+``bench-train`` runs, replayed offline (``tools.refinement.replay``).
 
 One folder and one variant: every iteration's predicted step time (and the ``[DCP]`` line's, to
 check the replay) against the measured one, with the refined factors (``*``: at a bound). Several
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_dcp.tools.refinement_replay import VARIANTS
+from megatron_dcp.tools.refinement.replay import VARIANTS
 
 
 def add_replay_refinement(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def add_replay_refinement(sub: argparse._SubParsersAction) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from megatron_dcp.tools.refinement_replay import (
+    from megatron_dcp.tools.refinement.replay import (
         load_run,
         parse_variants,
         replay,

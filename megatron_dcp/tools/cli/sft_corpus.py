@@ -7,7 +7,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from megatron_dcp.tools.cli.args import positive_int
+from megatron_dcp.tools.argument_types import positive_int
 from megatron_dcp.tools.conversation_corpus import (
     TRAINING_RANKS,
     data_flags,

@@ -17,13 +17,8 @@ from megatron_dcp.scheduling.domain import least_budget
 from megatron_dcp.scheduling.errors import SchedulingError
 from megatron_dcp.scheduling.hardware import REFERENCE_GPU_PROFILE, hardware_profile
 from megatron_dcp.scheduling.model_shape import ModelShape
-from megatron_dcp.tools.cli.args import (
-    add_cost_profile_arg,
-    add_ranks_per_node_arg,
-    positive_int,
-    power_of_two,
-    training_budget,
-)
+from megatron_dcp.tools.argument_types import positive_int, power_of_two, training_budget
+from megatron_dcp.tools.cli.args import add_cost_profile_arg, add_ranks_per_node_arg
 from megatron_dcp.tools.compare import (
     DEV_PEER_ALIAS,
     PEER_ALIAS,

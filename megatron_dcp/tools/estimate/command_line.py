@@ -18,7 +18,7 @@ import argparse
 import difflib
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from megatron_dcp.tools.cli.bench_train import DEFAULTS, VLM_DEFAULTS
+from megatron_dcp.tools.bench_train.run_flags import DEFAULTS, VLM_DEFAULTS
 from megatron_dcp.tools.estimate.sources import (
     CLASS_TOKEN_FLAG,
     VISION_FLAGS,
@@ -201,7 +201,7 @@ REQUIRED_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--s
 REQUIRED_VISION_FLAGS = tuple(VLM_DEFAULTS)
 PRESET_FLAGS = (*REQUIRED_FLAGS, "--ffn-hidden-size", "--vocab-size")
 # Named models: a value for every model flag not given. bench-train: the model bench-train runs
-# when no model flag is given (cli.bench_train.DEFAULTS, VLM_DEFAULTS).
+# when no model flag is given (bench_train.run_flags.DEFAULTS, VLM_DEFAULTS).
 MODEL_PRESETS: Dict[str, Dict[str, object]] = {
     "bench-train": {**{flag: DEFAULTS[flag] for flag in PRESET_FLAGS}, **VLM_DEFAULTS},
 }

@@ -28,8 +28,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_dcp.tools.cli.args import positive_int
-from megatron_dcp.tools.cli.bench_train import DEFAULTS
+from megatron_dcp.tools.argument_types import positive_int
+from megatron_dcp.tools.bench_train.run_flags import DEFAULTS
 from megatron_dcp.tools.workloads import read_lengths
 
 TRAINING_SOURCES = ("--data-path", "--sft-data", "--varlen-distribution", "--varlen-lengths-file")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from megatron_dcp.tools.launcher import (
+from megatron_dcp.tools.launching.training_runs import (
     Agents,
     NodeLaunch,
     RunLog,

@@ -6,11 +6,12 @@ import random
 
 import pytest
 
-from megatron_dcp.tools import launcher
+from megatron_dcp.tools.bench_train import run_flags
 from megatron_dcp.tools.bench_train.arms import arm_at, parse_arms
+from megatron_dcp.tools.bench_train.run import DigestMismatch, check_cores, check_digests
+from megatron_dcp.tools.bench_train.run_flags import training_flags
 from megatron_dcp.tools.bench_train.stats import median_interval, ordering, speedup_interval
-from megatron_dcp.tools.cli import bench_train as command
-from megatron_dcp.tools.cli.bench_train import DigestMismatch, check_digests, training_flags
+from megatron_dcp.tools.launching import training_runs
 
 ARMS = ("static", "dcp", "megatron_dev")
 
@@ -98,11 +99,11 @@ def test_digest_check_fails_without_digests(tmp_path):
 
 
 def test_more_ranks_than_cores_is_refused_unless_accepted(monkeypatch):
-    monkeypatch.setattr(launcher, "available_cores", lambda: 2)
-    command.check_cores(2, oversubscribe=False)
+    monkeypatch.setattr(training_runs, "available_cores", lambda: 2)
+    check_cores(2, oversubscribe=False)
     with pytest.raises(ValueError, match="--nproc=4: .* 2 cores.*--oversubscribe"):
-        command.check_cores(4, oversubscribe=False)
-    command.check_cores(4, oversubscribe=True)
+        check_cores(4, oversubscribe=False)
+    check_cores(4, oversubscribe=True)
 
 
 def test_arms_need_static_and_known_names():
@@ -135,12 +136,12 @@ def test_on_cpu_the_preparation_runs_between_the_steps_unless_the_user_says_othe
     """Where the ranks compute on the CPU, no background work: no prefetch thread, no data-loader
     worker processes (each would take its time from the step it overlaps); the user's flags
     win. On a GPU, training's defaults."""
-    monkeypatch.setattr(command, "cuda_ranks", lambda: False)
+    monkeypatch.setattr(run_flags, "cuda_ranks", lambda: False)
     flags = training_flags([], nproc=2, iterations=3)
     assert flags[flags.index("--dcp-prefetch") + 1] == "off"
     assert flags[flags.index("--num-workers") + 1] == "0"
     flags = training_flags(["--dcp-prefetch", "on", "--num-workers", "2"], nproc=2, iterations=3)
     assert flags.count("--dcp-prefetch") == flags.count("--num-workers") == 1
     assert flags[flags.index("--dcp-prefetch") + 1] == "on"
-    monkeypatch.setattr(command, "cuda_ranks", lambda: True)
+    monkeypatch.setattr(run_flags, "cuda_ranks", lambda: True)
     assert "--dcp-prefetch" not in training_flags([], nproc=2, iterations=3)

@@ -1,4 +1,4 @@
-"""``megatron-dcp calibrate``'s fit (``tools/calibration.py``) on synthetic timings from a known
+"""``megatron-dcp calibrate``'s fit (``tools/calibration/fit.py``) on synthetic timings from a known
 cost model, spill included: every point is one micro-batch timed alone and carries the score
 cache size of the hardware profile, so the fit recovers all seven coefficients (the micro-batch
 cost and the spill term among them) and predicts the held-out points exactly; points without the
@@ -15,8 +15,8 @@ from megatron_dcp.scheduling.cost import CostModel
 from megatron_dcp.scheduling.cost_fit import FEATURES, coefficients, predict
 from megatron_dcp.scheduling.hardware import hardware_profile
 from megatron_dcp.scheduling.model_shape import ModelShape
-from megatron_dcp.tools.calibration import cache_size, fit_points, grid, split_hold_out
-from megatron_dcp.tools.calibration_worker import Point
+from megatron_dcp.tools.calibration.fit import cache_size, fit_points, grid, split_hold_out
+from megatron_dcp.tools.calibration.rank_timing import Point
 
 # docs/cost_model.md's calibration command: 2 layers, hidden 128, 4 heads, FFN 512, vocabulary
 # 1024, sequences up to 4096 tokens, 2 ranks.

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_dcp.scheduling import CostModel
 from megatron_dcp.integration.model_cost import model_shape_from_args
-from megatron_dcp.tools.calibration_link import (
+from megatron_dcp.tools.calibration.shaped_link import (
     LINK_REPORT_VARIABLE,
     describe_link,
     link_source,

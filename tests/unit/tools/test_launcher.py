@@ -1,6 +1,6 @@
 """A failed training run is reported by its cause: the last error line of its output and the log
-that holds all of it (``tools.launcher``), as the quick-start shows it; the quick-start refuses
-``--iters 0`` up front and says why its runs have dropout 0."""
+that holds all of it (``tools.launching.training_runs``), as the quick-start shows it; the
+quick-start refuses ``--iters 0`` up front and says why its runs have dropout 0."""
 
 import io
 import subprocess
@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from megatron_dcp.tools import launcher, quickstart
-from megatron_dcp.tools.launcher import DCPFigures, RunLog, TrainingRunError
+from megatron_dcp.tools import quickstart
+from megatron_dcp.tools.launching import training_runs
+from megatron_dcp.tools.launching.training_runs import DCPFigures, RunLog, TrainingRunError
 
 CAUSE = "Exception: either train-iters or train-samples should be provided."
 # The shape of a failed run's output (quickstart --iters 0): megatron's argument dump, each
@@ -49,7 +50,7 @@ FAILED_RUN = "\n".join(
     ],
 )
 def test_last_error_line(text, line):
-    assert launcher.last_error_line(text) == line
+    assert training_runs.last_error_line(text) == line
 
 
 class FakeRun:
@@ -67,7 +68,7 @@ class FakeRun:
 
 def fake_torchrun(monkeypatch, output: str, returncode: int = 1):
     monkeypatch.setattr(
-        launcher.subprocess, "Popen", lambda *args, **kwargs: FakeRun(output, returncode)
+        training_runs.subprocess, "Popen", lambda *args, **kwargs: FakeRun(output, returncode)
     )
 
 
@@ -77,12 +78,12 @@ def test_output_is_read_as_it_comes_and_a_run_past_its_time_is_killed():
     seen = []
     code = "import sys, time; print('one', flush=True); print('two', flush=True)"
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert launcher.streamed(process, 60, seen.append) == (0, "one\ntwo\n")
+    assert training_runs.streamed(process, 60, seen.append) == (0, "one\ntwo\n")
     assert seen == ["one\n", "two\n"]
     code = "import time; print('started', flush=True); time.sleep(60)"
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     with pytest.raises(subprocess.TimeoutExpired) as timeout:
-        launcher.streamed(process, 2, None)
+        training_runs.streamed(process, 2, None)
     assert timeout.value.output == "started\n" and process.poll() is not None
 
 
@@ -90,7 +91,7 @@ def test_a_failed_run_names_its_log_and_its_cause(monkeypatch, tmp_path):
     fake_torchrun(monkeypatch, FAILED_RUN)
     log = tmp_path / "dp_balanced.log"
     with pytest.raises(TrainingRunError) as error:
-        launcher.run_pretrain([], 2, log)
+        training_runs.run_pretrain([], 2, log)
     message = str(error.value)
     assert message.startswith(f"training exited with 1: {CAUSE}\n")
     assert str(log) in message and "ChildFailedError" not in message
@@ -100,11 +101,11 @@ def test_a_failed_run_names_its_log_and_its_cause(monkeypatch, tmp_path):
 def test_without_a_log_or_an_error_line_the_tail_is_shown(monkeypatch, tmp_path):
     fake_torchrun(monkeypatch, FAILED_RUN)
     with pytest.raises(TrainingRunError, match="the last 40 lines of its output") as error:
-        launcher.run_pretrain([], 2)
+        training_runs.run_pretrain([], 2)
     assert str(error.value).startswith(f"training exited with 1: {CAUSE}")
     fake_torchrun(monkeypatch, "killed\n" * 50, returncode=-9)
     with pytest.raises(TrainingRunError) as error:
-        launcher.run_pretrain([], 2, tmp_path / "run.log")
+        training_runs.run_pretrain([], 2, tmp_path / "run.log")
     assert f"(all of it in {tmp_path / 'run.log'})" in str(error.value)
     assert str(error.value).count("killed") == 40
 

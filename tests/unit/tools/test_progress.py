@@ -121,7 +121,7 @@ def test_fuzz_reports_its_progress_off_a_terminal(capsys):
 
 
 def test_bench_train_reports_each_iteration_it_reads_in_the_training_log(capsys):
-    from megatron_dcp.tools.cli.bench_train import iteration_progress
+    from megatron_dcp.tools.bench_train.run import iteration_progress
 
     read = iteration_progress(6, ("static", "dcp"))
     for iteration in range(1, 7):
@@ -136,7 +136,7 @@ def test_bench_train_reports_each_iteration_it_reads_in_the_training_log(capsys)
 
 
 def test_calibrate_reports_its_timed_passes_from_rank_0_only(capsys):
-    from megatron_dcp.tools.calibration_worker import TimingJob, _pass_progress
+    from megatron_dcp.tools.calibration.rank_timing import TimingJob, _pass_progress
 
     job = TimingJob(points=("a", "b"), repeats=3, seed=0)
     reports = {rank: _pass_progress(rank, job) for rank in (0, 1)}

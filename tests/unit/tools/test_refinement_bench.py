@@ -1,11 +1,11 @@
-"""The online-refinement benchmark (``python -m megatron_dcp.tools.refinement_bench``): its
-thresholds, its table at small sizes, and the figure it exists for: a refined model whose plans
-match the plans of the true coefficients within a few steps. Pure Python, a few seconds."""
+"""The online-refinement benchmark (``python -m megatron_dcp.tools.refinement.convergence_bench``):
+its thresholds, its table at small sizes, and the figure it exists for: a refined model whose
+plans match the plans of the true coefficients within a few steps. Pure Python, a few seconds."""
 
 import pytest
 
 from megatron_dcp.scheduling.cost_fit import FEATURES, coefficients
-from megatron_dcp.tools import refinement_bench as bench
+from megatron_dcp.tools.refinement import convergence_bench as bench
 
 
 def test_steps_to_is_the_first_step_from_which_the_error_stays_within():

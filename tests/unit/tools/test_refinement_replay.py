@@ -1,4 +1,4 @@
-"""The offline replay of a ``bench-train`` run's refinement (``tools.refinement_replay``): a run
+"""The offline replay of a ``bench-train`` run's refinement (``tools.refinement.replay``): a run
 folder written the way ``bench-train`` writes it (plans from :class:`ArmRotation`, per-position
 times), replayed; predictions lag the refinement by two steps as in training; a noise-free run is
 learned; under drifting, spiking load (another process on the cores) the refinement holds its
@@ -23,7 +23,7 @@ from megatron_dcp.scheduling.cost_fit import (
 )
 from megatron_dcp.tools.bench_train.arms import ArmRotation, as_record
 from megatron_dcp.tools.cli.main import main
-from megatron_dcp.tools.refinement_replay import (
+from megatron_dcp.tools.refinement.replay import (
     VARIANTS,
     bound_steps,
     flag_values,

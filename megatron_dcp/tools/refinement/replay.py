@@ -4,7 +4,7 @@ A ``bench-train`` output folder holds what the training run's refinement saw: ev
 measured busy seconds per position, in total and per micro-batch (``times.jsonl``), and every
 arm's features per position, in total and per micro-batch (``plans.jsonl``; runs recorded before
 per-micro-batch timing have the totals only, and are replayed from them); iteration ``t`` ran the
-arm :func:`~.bench_train.arms.arm_at` gives. The prior
+arm :func:`~megatron_dcp.tools.bench_train.arms.arm_at` gives. The prior
 (the cost model iteration 1 planned with) is ``prior.json`` when the run wrote one, else it is
 rebuilt from the run's flags (``bench_train.json``) as ``DCPConfig.from_args`` builds it.
 
@@ -42,7 +42,7 @@ from megatron_dcp.scheduling.cost_fit import (
 from megatron_dcp.tools.bench_train.arms import arm_at
 from megatron_dcp.tools.bench_train.results import read_plans, window_errors
 from megatron_dcp.tools.bench_train.worker import PRIOR_FILE, TIMES_FILE
-from megatron_dcp.tools.launcher import parse_log
+from megatron_dcp.tools.launching.training_runs import parse_log
 
 RESULT_FILE = "bench_train.json"
 LOG_FILE = "train.log"

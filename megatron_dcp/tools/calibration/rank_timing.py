@@ -71,7 +71,7 @@ class TimingJob:
 def measure(args: argparse.Namespace, job: TimingJob, nproc: int, timeout_s: float) -> List[float]:
     """Seconds per point of ``job`` measured on ``nproc`` gloo ranks (module docstring); raises
     ``DistributedTestError`` when a rank fails, dies or runs past ``timeout_s``."""
-    from megatron_dcp.tools.local_ranks import run_distributed
+    from megatron_dcp.tools.launching.local_ranks import run_distributed
 
     per_rank = run_distributed(
         _time_grid,

@@ -16,7 +16,7 @@ micro-batch coefficient stays within 10 %, and after how many the
 refined model's plans of a fixed set of held-out batches stay within 1 % of the plans made with
 the world's coefficients (total critical path under the world's model). Pure Python.
 
-``.venv/bin/python -m megatron_dcp.tools.refinement_bench`` prints the table.
+``.venv/bin/python -m megatron_dcp.tools.refinement.convergence_bench`` prints the table.
 """
 
 from __future__ import annotations
@@ -322,7 +322,8 @@ def _header(prior: CostModel, steps, noise, held_out, microbatches, per_microbat
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_dcp.tools.refinement_bench", description=__doc__.split("\n")[0]
+        prog="python -m megatron_dcp.tools.refinement.convergence_bench",
+        description=__doc__.split("\n")[0],
     )
     parser.add_argument("--world", action="append", default=[], help="default: every world")
     parser.add_argument(

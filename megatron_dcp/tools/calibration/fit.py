@@ -7,7 +7,7 @@ scheduler plans with.
 
 The grid: every CP size (powers of two up to ``--nproc``) × every length × every pack size (that
 many sequences of that length in one micro-batch, at most ``--max-tokens`` tokens, default
-``--seq-length``). :mod:`~megatron_dcp.tools.calibration_worker` launches the ranks, builds the
+``--seq-length``). :mod:`~megatron_dcp.tools.calibration.rank_timing` launches the ranks, builds the
 GPT model from the megatron flags and times forward + backward of each point's micro-batch on its
 DCP group (one warm-up, then the min over ``--repeats`` passes, short points timed several times
 per pass). A seeded share ``--hold-out`` of
@@ -48,8 +48,8 @@ from megatron_dcp.scheduling.cost_fit import (
     predict,
     relative_errors,
 )
-from megatron_dcp.tools.calibration_worker import Point, TimingJob, measure
-from megatron_dcp.tools.launcher import available_cores
+from megatron_dcp.tools.calibration.rank_timing import Point, TimingJob, measure
+from megatron_dcp.tools.launching.training_runs import available_cores
 
 SPILL = FEATURES.index("spill")
 # The coefficients a calibration fits: every feature but the vision encoder's (its ranks run a
@@ -235,7 +235,7 @@ def run_measurement(
     points: Sequence[Point], options: argparse.Namespace, args: argparse.Namespace
 ) -> Optional[List[float]]:
     """Seconds per point, or None (and the reason on stderr) when the ranks failed."""
-    from megatron_dcp.tools.local_ranks import DistributedTestError
+    from megatron_dcp.tools.launching.local_ranks import DistributedTestError
 
     print(
         f"calibrate: {len(points)} points on CP sizes {'/'.join(map(str, cp_sizes(options.nproc)))}"
