@@ -5,7 +5,9 @@ group (also on exceptions), and the TE attention correction on a recording stand
 import sys
 from types import SimpleNamespace
 
+import psutil
 import pytest
+import torch
 
 from megatron_dcp.integration import patches
 from megatron_dcp.integration.megatron_import import import_megatron_core
@@ -324,10 +326,11 @@ def test_moe_router_switch_refuses_a_missing_tp_cp_group_and_moe_recompute(layer
     forward(layer, "h", packed_seq_params=None)  # static CP: megatron's own path, no refusal
 
 
-def test_the_checkpoint_queue_server_does_not_rerun_the_entry_module(tmp_path, monkeypatch):
-    """megatron's first checkpoint save starts a spawn manager for its write results; with the
-    cpu_training entry its server process runs without re-running the training entry module
-    (which imports megatron again in every rank), and without it, it re-runs it."""
+def test_the_checkpoint_queue_server_is_forked_not_spawned(tmp_path, monkeypatch):
+    """megatron's first checkpoint save starts a manager for its write results; with the
+    cpu_training entry its server process is forked from the rank (no fresh interpreter that
+    re-runs the training entry module and imports torch), and without it, it is spawned and
+    re-runs the entry module."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     entry = next(p for p in patches.entries("cpu_training") if "checkpoint_queue" in p.name)
@@ -338,18 +341,20 @@ def test_the_checkpoint_queue_server_does_not_rerun_the_entry_module(tmp_path, m
     main.__file__ = str(script)
     monkeypatch.setitem(sys.modules, "__main__", main)
 
-    def new_queue(get_queue) -> None:
+    def new_server(get_queue) -> psutil.Process:
+        """The server process of a new queue, which it checks with a tensor."""
         monkeypatch.setattr(filesystem_async, "_results_queue", None)
         queue = get_queue()
-        queue.put("written")
-        assert queue.get() == "written"
+        queue.put(torch.ones(2))
+        assert torch.equal(queue.get(), torch.ones(2))
+        return psutil.Process(queue._manager._process.pid)  # the proxy's manager
 
     plain = getattr(filesystem_async.get_write_results_queue, "__wrapped__", None)
     plain = plain if table.is_applied(entry) else filesystem_async.get_write_results_queue
-    new_queue(entry.replace(filesystem_async, plain))
-    assert not marker.exists()
-    new_queue(plain)
-    assert marker.read_text() == "ran\n"
+    forked = new_server(entry.replace(filesystem_async, plain))
+    assert not marker.exists() and "spawn_main" not in " ".join(forked.cmdline())
+    spawned = new_server(plain)
+    assert marker.read_text() == "ran\n" and "spawn_main" in " ".join(spawned.cmdline())
     assert sys.modules["__main__"] is main  # put back
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
-import types
 from typing import Any, Callable, Tuple
 
 import torch
@@ -302,21 +300,16 @@ def _reference_attention_in_mtp(owner: Any, original: Callable) -> Callable:
     return mtp_block_spec
 
 
-def _spawn_without_entry_module(owner: Any, original: Callable) -> Callable:
-    """``original`` with ``__main__`` hidden while it runs: a process it spawns does not re-run
-    the training entry point's module (multiprocessing's spawn re-imports ``__main__`` in the
-    child, by name or path; a bare module carries neither)."""
+def _forked_results_queue(owner: Any, original: Callable) -> Callable:
+    """``original`` with its manager started by fork instead of spawn: the server process is a
+    copy of the rank, so it neither re-runs the training entry module (spawn re-imports
+    ``__main__``) nor imports torch to unpickle the write results it is sent."""
 
     @functools.wraps(original)
-    def without_entry_module(*args: Any, **kwargs: Any) -> Any:
-        entry = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            return original(*args, **kwargs)
-        finally:
-            sys.modules["__main__"] = entry
+    def forked_manager(mp_mode: str = "spawn") -> Any:
+        return original(mp_mode="fork")
 
-    return without_entry_module
+    return forked_manager
 
 
 def _training(name: str, targets: Tuple[str, ...], corrects: str, replace: Callable) -> Patch:
@@ -378,12 +371,13 @@ CPU_TRAINING_PATCHES: Tuple[Patch, ...] = (
         _stand_in(True),
     ),
     _training(
-        "checkpoint_queue_without_entry_reimport",
+        "checkpoint_queue_forked",
         ("megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue",),
         "The first checkpoint save starts a multiprocessing manager (spawn) for its write "
-        "results, whose server process re-imports the entry module, megatron and all: seconds "
-        "of CPU per rank, every rank at once. The server needs none of it.",
-        _spawn_without_entry_module,
+        "results, whose fresh server process re-imports the entry module and imports torch to "
+        "unpickle the results: seconds of CPU per rank, every rank at once. Forked, it needs "
+        "neither.",
+        _forked_results_queue,
     ),
     _training(
         "reference_attention_in_mtp",
