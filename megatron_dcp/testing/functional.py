@@ -114,8 +114,10 @@ def run_case(
 
 def forked(entry: str) -> Tuple[str, ...]:
     """``run_pretrain``'s launcher that forks the ranks of a ``megatron_dcp.<entry>`` job from
-    one process that imported it (``testing.forked_launch``)."""
-    return ("-m", "megatron_dcp.testing.forked_launch", "--preload", f"megatron_dcp.{entry}")
+    one process that imported it (``testing.forked_launch``), and megatron's tokenizers, which
+    every rank imports when it builds its tokenizer (transformers with them: 2 s a rank)."""
+    preload = (f"megatron_dcp.{entry}", "megatron.core.tokenizers.text")
+    return ("-m", "megatron_dcp.testing.forked_launch", *(f"--preload={m}" for m in preload))
 
 
 def write_goldens(case: FunctionalCase, log: RunLog) -> None:
