@@ -49,8 +49,9 @@ PROFILE_FORMAT = "megatron_dcp.cost_profile/1"
 # factor twice the others' level costs as much as 10 points off by σ: on contended CPU steps,
 # σ ≈ 15 %, the shape holds; on clean ones, σ ≈ 1 %, the data moves it); the bounds (× anchor);
 # Huber's threshold (None: squares); the free level; the half-life of a step's weight, in steps;
-# the residual σ the first fit assumes, and its floor. Before: prior weight 0.0005 fixed, no free
-# level, no half-life: factors at their bounds in most iterations of a contended run.
+# the residual σ the first fit assumes, and its floor. (The replay's `before` variant, a fixed prior
+# weight of 0.0005 with neither free level nor half-life, leaves the factors at their bounds in
+# most iterations of a contended run.)
 WINDOW = 20
 PRIOR_WEIGHT = 10.0
 BOUNDS = (1e-2, 1e2)

@@ -1,4 +1,4 @@
-"""The model asked for is the model built (issue 38), on the CPU backend: every model flag the
+"""The model asked for is the model built, on the CPU backend: every model flag the
 local specs of ``pretrain_gpt`` and ``pretrain_mamba`` cannot build is refused at start-up by
 name, as one ``error: <flag> <value> ...`` line; every flag they build changes the built model
 as claimed (the module it adds, and the parameter count ``testing.model_size`` computes from the

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_dcp.integration.megatron_import import import_megatron_core
+from megatron_dcp.testing.functional import forked
 from megatron_dcp.testing.model_size import check_model_size
 from megatron_dcp.tools.launching.training_runs import flag_list, run_pretrain
 
@@ -72,9 +73,15 @@ def test_prefetch_on_and_off_train_alike(tmp_path):
     options = indexed_run_options(
         tmp_path, 80, **{"--train-iters": 4, "--eval-interval": 2, "--dcp-cost-adapt": "off"}
     )
-    on = run_pretrain(flag_list(options), 4, tmp_path / "on.log", timeout_s=300)
+    # The launch is not what this test is about: ranks forked from one process (the other tests
+    # of this file start theirs through torchrun).
+    def run(log: str):
+        launcher = forked("pretrain_gpt")
+        return run_pretrain(flag_list(options), 4, tmp_path / log, 300, launcher=launcher)
+
+    on = run("on.log")
     options["--dcp-prefetch"] = "off"
-    off = run_pretrain(flag_list(options), 4, tmp_path / "off.log", timeout_s=300)
+    off = run("off.log")
     check_model_size(options, on.parameters)
     check_model_size(options, off.parameters)
     assert "DCP prefetch: on" in on.output and "DCP prefetch: off" in off.output

@@ -1,4 +1,4 @@
-"""Start-up errors of ``megatron_dcp.pretrain_gpt`` as a user sees them (issues 29 and 38): a
+"""Start-up errors of ``megatron_dcp.pretrain_gpt`` as a user sees them: a
 refused DCP setting is one line from rank 0, before megatron's argument dump, the last line the
 worker prints, with no traceback, and under torchrun the root cause of torchrun's failure summary
 (the last block it prints); a typo in a flag or a choice prints argparse's one line with "did you

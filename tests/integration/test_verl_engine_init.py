@@ -1,4 +1,4 @@
-"""verl 0.9.1's Megatron engine as verl builds it (issue 33, item 5), on CPU (gloo, 4 ranks).
+"""verl 0.9.1's Megatron engine as verl builds it, on CPU (gloo, 4 ranks).
 
 A tiny Llama (random weights, a word-level tokenizer) is written locally with ``transformers``;
 nothing is downloaded. verl's ``HFModelConfig`` reads it from that folder, and

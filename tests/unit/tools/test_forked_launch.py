@@ -18,7 +18,8 @@ def main():
     rank = int(os.environ["RANK"])
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
             "MASTER_PORT")
-    print("rank", rank, __name__, sys.argv[1:], [os.environ[key] for key in keys], flush=True)
+    line = f"rank {rank} {__name__} {sys.argv[1:]} {[os.environ[key] for key in keys]}\\n"
+    os.write(1, line.encode())  # one write: the ranks' lines do not interleave
     open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
     if sys.argv[2] == "fail" and rank == 1:
         raise RuntimeError("rank 1 fails")

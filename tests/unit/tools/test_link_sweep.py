@@ -1,7 +1,7 @@
 """The link-rate sweep's report on synthetic runs written by the test: the reader (link object,
 link.json or none; FLOPs per byte per rank; the model's predicted speedup from the plans'
 critical paths over the compared batches; the distance to the limit), the markdown table, each
-target of issue 39 met and not met, and the command writing its picture."""
+communication target met and not met, and the command writing its picture."""
 
 import json
 
