@@ -22,26 +22,12 @@ sys.path.append(str(ROOT / "scripts"))
 
 from troubleshooting_code import Template, source_templates  # noqa: E402
 from troubleshooting_page import DOC, TORCH_RENDERED, unlisted, unmatched  # noqa: E402
+from test_startup_errors import TINY  # noqa: E402
 from troubleshooting_renders import rendered_without_torch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not import_megatron_core(), reason="megatron-core not installed")
 
-# A tiny model; each command line below is refused while its arguments are parsed.
-TINY = {
-    "--dynamic-context-parallel": True,
-    "--max-seqlen-per-dp-cp-rank": 128,
-    "--num-layers": 1,
-    "--hidden-size": 32,
-    "--num-attention-heads": 4,
-    "--seq-length": 128,
-    "--max-position-embeddings": 256,
-    "--micro-batch-size": 1,
-    "--global-batch-size": 2,
-    "--train-iters": 1,
-    "--lr": 1e-3,
-    "--tokenizer-type": "NullTokenizer",
-    "--vocab-size": 128,
-}
+# TINY: a tiny model; each command line below is refused while its arguments are parsed.
 TYPOS = (
     ("--max-seqlen-per-rank", "4096"),
     ("--sequence-packing-scheduler", "dynamic"),
