@@ -27,6 +27,8 @@ EARLIER = "bench_performance.sh, 2026-11-25, earlier run"
 SPEEDUP = "documents_speedup_2_ranks"
 RL = "rl_speedup_2_ranks"
 PROFILE = ("default_gpu_profile",)
+SUITE, FUNCTIONAL = "suite_minutes", "functional_minutes"
+AMD, INTEL = "AMD EPYC, 2026-11-29", "Intel Xeon, 2026-11-28"
 PERF = "docs/performance.md"
 SHORT = "estimate_short_speedup"
 PREDICTED, MEASURED = "predicted (megatron-dcp estimate)", "measured (megatron-dcp bench-train)"
@@ -35,12 +37,11 @@ TABLE = "2026-11-24, 2-core instance"
 QUOTE = r"which \[gpu\.md\]\(gpu\.md\) and scheduling\.md quote\)"
 FIGURE = r"(\d[\d.–-]* m?s)"  # a plan time as the pages write it: "12.9 ms", "0.62–0.71 s"
 STATEMENTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
-    ("README.md", r"tests took (\S+) min on a 2-core Intel Xeon", ("suite_minutes", "Intel Xeon")),
-    ("README.md", r"and (\S+) min on a 2-core AMD EPYC", ("suite_minutes", "AMD EPYC")),
-    ("tests/README.md", r"≈ (\d+) min \(Intel Xeon\)", ("functional_minutes", "Intel Xeon")),
-    ("tests/README.md", r"≈ (\d+) min \(AMD EPYC\)", ("functional_minutes", "AMD EPYC")),
-    ("tests/README.md", r"so functional ≈ (\d+) min\)", ("functional_minutes", "Intel Xeon")),
-    ("tests/README.md", r"so functional ≈ (\d+) min there", ("functional_minutes", "AMD EPYC")),
+    ("README.md", r"tests took (\S+) min on a\s+2-core AMD EPYC", (SUITE, AMD)),
+    ("README.md", r"Intel Xeon took (\S+) min on 2026-11-28", (SUITE, INTEL)),
+    ("tests/README.md", r"\| 2026-11-29 \| AMD EPYC \| 2,053 \|[^|]+\| (\d+) min", (SUITE, AMD)),
+    ("tests/README.md", r"≈ (\d+) min \(AMD EPYC, 2026-11-29\)", (FUNCTIONAL, AMD)),
+    ("tests/README.md", r"so functional ≈ (\d+) min there", (FUNCTIONAL, AMD)),
     ("docs/usage.md", r"`cpu-gloo` on the CPU backend, `([\w-]+)` otherwise", PROFILE),
     ("docs/cost_model.md", r"\*\*`([\w-]+)`, the GPU default for training", PROFILE),
     ("docs/cost_model.md", r"`([\w-]+)` \(GPU default\)", PROFILE),
@@ -156,7 +157,7 @@ def test_every_line_naming_the_gpu_default_names_the_sources_profile():
 @pytest.mark.parametrize(
     "path, stale",
     [
-        (("suite_minutes", "AMD EPYC"), "20–25"),
+        ((SUITE, AMD), "20–25"),
         (("documents_speedup_2_ranks", SWEEP), "1.095"),
         ((RL, SWEEP), "1.06"),
         ((RL, BENCH), "1.000"),
