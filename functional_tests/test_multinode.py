@@ -4,11 +4,11 @@ under DCP with the losses of one agent running the same world size; when one nod
 agent and its ranks), the other agent exits with an error within seconds. Both jobs trained
 the model their flags ask for (megatron's parameter count against ``testing.model_size``)."""
 
-import socket
 import time
 
 import pytest
 
+from megatron_dcp.testing.forked_launch import free_port
 from megatron_dcp.testing.functional import load_case
 from megatron_dcp.testing.model_size import check_model_size, flags_of
 from megatron_dcp.tools.launching.training_runs import (
@@ -54,12 +54,6 @@ def job_flags(train_iters: int = TRAIN_ITERS) -> list:
         }
     )
     return flag_list(options)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_agents_train_like_one(tmp_path):
